@@ -1,0 +1,164 @@
+"""The config schema (every field, with its default) and its validation.
+
+Config files in `configs/` start from `default_config()` and override what differs; every field
+is documented in docs/config.md. `validate_config` runs before anything is built or compiled and
+raises `ConfigError` with one line naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from fbt_jax.data import make_task
+from fbt_jax.errors import ConfigError
+from fbt_jax.feedback import FUSIONS
+from fbt_jax.schedule import DEFAULT_SCHEDULE, PassSchedule
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def default_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.workdir = "runs/default"
+    c.seed = 0
+
+    c.data = ml_collections.ConfigDict()
+    c.data.task = "word_problem"
+    c.data.group = "S5"
+    c.data.seq_len = 32
+
+    c.model = ml_collections.ConfigDict()
+    c.model.vocab_size = 120
+    c.model.embed_dim = 64
+    c.model.num_layers = 2
+    c.model.num_heads = 4
+    c.model.num_kv_heads = 4
+    c.model.mlp_dim = 256
+    c.model.rope_theta = 10_000.0
+    c.model.norm_eps = 1e-6
+    c.model.fusion = "glu"
+    c.model.param_dtype = "float32"
+    c.model.compute_dtype = "float32"
+    c.model.scale_logits = True
+
+    c.passes = ml_collections.ConfigDict()
+    c.passes.schedule = DEFAULT_SCHEDULE
+    c.passes.noise_std = 0.02
+    c.passes.stop_gradient = False
+    c.passes.loss_weights = ()
+    c.passes.prefix_mixin_prob = 0.5
+    c.passes.fuse_from_min = 1
+    c.passes.fuse_from_max = c.data.get_ref("seq_len") // 2
+
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = 1000
+    c.train.batch_size = 32
+    c.train.log_every = 10
+
+    c.optimizer = ml_collections.ConfigDict()
+    c.optimizer.learning_rate = 3e-3
+    c.optimizer.warmup_steps = 100
+    c.optimizer.min_learning_rate_ratio = 0.1
+    c.optimizer.b1 = 0.9
+    c.optimizer.b2 = 0.95
+    c.optimizer.eps = 1e-8
+    c.optimizer.weight_decay = 0.1
+    c.optimizer.grad_clip_norm = 1.0
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.num_passes = (1, 2, 3)
+    c.eval.fuse_from = 1
+    c.eval.batch_size = 64
+    c.eval.num_batches = 4
+    c.eval.every_steps = 0
+    return c
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate_config(config: ml_collections.ConfigDict, num_devices: int = 1) -> PassSchedule:
+    """Check every field before any expensive work; returns the parsed pass schedule."""
+    _require(bool(config.workdir), "workdir is empty; set --config.workdir=<directory for outputs>")
+    m, d, p, t, o, e = config.model, config.data, config.passes, config.train, config.optimizer, config.eval
+
+    for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
+        value = m[name]
+        _require(isinstance(value, int) and value >= 1, f"model.{name}={value!r} must be a positive integer")
+    _require(
+        m.embed_dim % m.num_heads == 0,
+        f"model.num_heads={m.num_heads} does not divide model.embed_dim={m.embed_dim}; "
+        "choose heads so that embed_dim % num_heads == 0",
+    )
+    _require(
+        m.num_heads % m.num_kv_heads == 0,
+        f"model.num_kv_heads={m.num_kv_heads} does not divide model.num_heads={m.num_heads}; "
+        "grouped attention needs num_heads % num_kv_heads == 0",
+    )
+    _require(
+        (m.embed_dim // m.num_heads) % 2 == 0,
+        f"head dim embed_dim/num_heads={m.embed_dim // m.num_heads} is odd; rotary positions need an even head dim",
+    )
+    _require(m.fusion in FUSIONS, f"model.fusion={m.fusion!r} is unknown; use one of {FUSIONS}")
+    for name in ("param_dtype", "compute_dtype"):
+        _require(m[name] in DTYPES, f"model.{name}={m[name]!r} is unknown; use one of {DTYPES}")
+    _require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be positive")
+
+    task = make_task(config)
+    _require(
+        m.vocab_size >= task.vocab_size,
+        f"model.vocab_size={m.vocab_size} is smaller than the data's vocabulary ({task.vocab_size} tokens for "
+        f"data.group={d.group!r}); set --config.model.vocab_size={task.vocab_size} or larger",
+    )
+
+    _require(isinstance(t.steps, int) and t.steps >= 1, f"train.steps={t.steps!r} must be a positive integer")
+    _require(isinstance(t.batch_size, int) and t.batch_size >= 1, f"train.batch_size={t.batch_size!r} must be a positive integer")
+    _require(
+        t.batch_size % num_devices == 0,
+        f"train.batch_size={t.batch_size} is not divisible by the {num_devices} devices; use a multiple of {num_devices}",
+    )
+    _require(t.log_every >= 1, f"train.log_every={t.log_every} must be at least 1")
+
+    schedule = PassSchedule.parse(p.schedule, t.steps, config.seed)
+    _require(p.noise_std >= 0, f"passes.noise_std={p.noise_std} is negative; use 0 to turn jitter off")
+    _require(0.0 <= p.prefix_mixin_prob <= 1.0, f"passes.prefix_mixin_prob={p.prefix_mixin_prob} must be in [0, 1]")
+    last = d.seq_len - 1
+    _require(
+        1 <= p.fuse_from_min <= p.fuse_from_max <= last,
+        f"fuse-from range passes.fuse_from_min..fuse_from_max = {p.fuse_from_min}..{p.fuse_from_max} is outside the "
+        f"sequence; it must satisfy 1 <= min <= max <= data.seq_len-1 = {last}",
+    )
+    max_k = max(schedule.pass_counts + tuple(e.num_passes))
+    if p.loss_weights:
+        weights = tuple(float(w) for w in p.loss_weights)
+        _require(
+            len(weights) >= max_k,
+            f"passes.loss_weights has {len(weights)} entries but up to K={max_k} passes run; give one weight per pass up to {max_k}",
+        )
+        _require(all(w >= 0 for w in weights), f"passes.loss_weights={weights} has a negative weight; weights must be >= 0")
+        _require(
+            all(sum(weights[:k]) > 0 for k in range(1, max_k + 1)),
+            f"passes.loss_weights={weights} gives zero total weight for some K; make the first weight positive",
+        )
+
+    _require(o.learning_rate > 0, f"optimizer.learning_rate={o.learning_rate} must be positive")
+    _require(
+        0 <= o.warmup_steps < t.steps,
+        f"optimizer.warmup_steps={o.warmup_steps} must be in [0, train.steps={t.steps}); shorten the warmup",
+    )
+    _require(0.0 <= o.min_learning_rate_ratio <= 1.0, f"optimizer.min_learning_rate_ratio={o.min_learning_rate_ratio} must be in [0, 1]")
+    _require(o.grad_clip_norm >= 0, f"optimizer.grad_clip_norm={o.grad_clip_norm} is negative; use 0 to turn clipping off")
+    _require(o.weight_decay >= 0, f"optimizer.weight_decay={o.weight_decay} is negative")
+
+    _require(len(e.num_passes) >= 1, "eval.num_passes is empty; list the pass counts to evaluate, e.g. (1, 2, 3)")
+    _require(all(int(k) >= 1 for k in e.num_passes), f"eval.num_passes={tuple(e.num_passes)} has a K below 1; every K must be >= 1")
+    _require(1 <= e.fuse_from <= last, f"eval.fuse_from={e.fuse_from} is outside the sequence; use 1..data.seq_len-1={last}")
+    _require(e.num_batches >= 0, f"eval.num_batches={e.num_batches} is negative; use 0 to skip evaluation")
+    _require(
+        e.batch_size >= 1 and e.batch_size % num_devices == 0,
+        f"eval.batch_size={e.batch_size} must be a positive multiple of the {num_devices} devices",
+    )
+    _require(e.every_steps >= 0, f"eval.every_steps={e.every_steps} is negative; use 0 for a final eval only")
+    return schedule

@@ -1,0 +1,210 @@
+"""Latent feedback: the fusion (method §3), the K-pass objective (§5) and its ground truth (§4).
+
+Sequential semantics (what inference does). With fuse-from index p ≥ 1 per example:
+    u_t = e_t                      for t < p
+    u_t = fuse(e_t, h_{t-1})       for t ≥ p, with h = F(u) itself computed from fused inputs.
+`sequential_feedback` computes this recurrence position by position.
+
+The K-pass objective approximates it with K parallel passes over the whole sequence: pass 1 is
+an ordinary forward pass, pass k fuses pass k−1's states shifted right by one. By induction
+pass k is exact at every position t < p + k − 1 (the exactness property the tests check).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+if TYPE_CHECKING:
+    from fbt_jax.model import FBTransformer
+
+FUSIONS = ("glu", "add")
+
+
+class Fusion(nnx.Module):
+    """fuse(e, h) = (W_U h) ⊙ σ(W_G e)  ("glu"), or e + W_U h  ("add", an ablation only).
+
+    Asymmetric on purpose: the carried state supplies the values and the token only gates them,
+    so the model cannot fall back to plain token inputs by shrinking the state path (which the
+    symmetric additive form allows).
+    """
+
+    def __init__(self, dim: int, kind: str, param_dtype: Any, compute_dtype: Any, rngs: nnx.Rngs):
+        if kind not in FUSIONS:
+            raise ValueError(f"model.fusion={kind!r} is unknown; use one of {FUSIONS}")
+        self.kind = kind
+        self.compute_dtype = jnp.dtype(compute_dtype)
+        std = dim**-0.5  # keeps W_U h at unit RMS, like e, for a final-normed h
+        axes = ("embed", "fusion")
+        init = lambda: std * jax.random.normal(rngs.params(), (dim, dim), param_dtype)  # noqa: E731
+        self.state_proj_DD = nnx.Param(init(), out_sharding=axes, eager_sharding=False)  # W_U
+        if kind == "glu":
+            self.gate_proj_DD = nnx.Param(init(), out_sharding=axes, eager_sharding=False)  # W_G
+
+    def __call__(self, e_BTD: jax.Array, h_BTD: jax.Array) -> jax.Array:
+        cd = self.compute_dtype
+        value_BTD = jnp.einsum("btd,de->bte", h_BTD.astype(cd), self.state_proj_DD[...].astype(cd))
+        if self.kind == "add":
+            return e_BTD.astype(cd) + value_BTD
+        gate_BTD = jnp.einsum("btd,de->bte", e_BTD.astype(cd), self.gate_proj_DD[...].astype(cd))
+        return value_BTD * jax.nn.sigmoid(gate_BTD)
+
+
+def default_positions(shape_BT: tuple[int, ...]) -> jax.Array:
+    """Positions 0..T-1 for every row (unpacked sequences)."""
+    return jnp.broadcast_to(jnp.arange(shape_BT[1], dtype=jnp.int32), shape_BT)
+
+
+def shift_right(h_BTD: jax.Array) -> jax.Array:
+    """Position t receives h_{t-1}; position 0 receives zeros (it is never fused since p ≥ 1)."""
+    return jnp.pad(h_BTD, ((0, 0), (1, 0), (0, 0)))[:, :-1]
+
+
+def feedback_inputs(
+    model: FBTransformer,
+    e_BTD: jax.Array,
+    h_prev_BTD: jax.Array,
+    fuse_from_B: jax.Array,
+    positions_BT: jax.Array,
+) -> jax.Array:
+    """U for one feedback pass: fuse(e_t, h_{t-1}) where position ≥ p, the plain e_t before.
+
+    Using the (per-document) position rather than the index makes packed sequences safe: a
+    document's first token has position 0 < p and never reads the previous document's state.
+    """
+    fused_BTD = model.fusion(e_BTD, shift_right(h_prev_BTD))
+    is_fused_BT1 = (positions_BT >= fuse_from_B[:, None])[..., None]
+    return jnp.where(is_fused_BT1, fused_BTD, e_BTD.astype(fused_BTD.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class PassOptions:
+    """How the K passes are run in training (static; from `config.passes`)."""
+
+    noise_std: float = 0.0  # jitter N(0, σ²) on the carried state (method §7)
+    stop_gradient: bool = False  # cut the gradient from pass k into pass k−1's states
+    loss_weights: tuple[float, ...] = ()  # w_k per pass; () means all ones
+
+    def pass_weights(self, num_passes: int) -> jax.Array:
+        w = self.loss_weights[:num_passes] if self.loss_weights else (1.0,) * num_passes
+        w = jnp.asarray(w, jnp.float32)
+        return w / jnp.sum(w)
+
+
+def kpass_forward(
+    model: FBTransformer,
+    tokens_BT: jax.Array,
+    fuse_from_B: jax.Array,
+    num_passes: int,
+    options: PassOptions = PassOptions(),
+    noise_rng: jax.Array | None = None,
+    positions_BT: jax.Array | None = None,
+    segment_ids_BT: jax.Array | None = None,
+) -> list[jax.Array]:
+    """Top states of each of the K passes, [H¹, …, Hᴷ] (method §5).
+
+    `num_passes` is a static Python int: the passes are an unrolled loop, so each K is its own
+    compiled program (XLA then schedules each pass's matmuls like any other layer).
+    """
+    if positions_BT is None:
+        positions_BT = default_positions(tokens_BT.shape)
+    e_BTD = model.embed(tokens_BT)
+    h_BTD = model.stack(e_BTD, positions_BT, segment_ids_BT)
+    states = [h_BTD]
+    for k in range(1, num_passes):
+        carried_BTD = jax.lax.stop_gradient(h_BTD) if options.stop_gradient else h_BTD
+        if options.noise_std > 0.0 and noise_rng is not None:
+            noise = jax.random.normal(jax.random.fold_in(noise_rng, k), carried_BTD.shape, jnp.float32)
+            carried_BTD = carried_BTD + (options.noise_std * noise).astype(carried_BTD.dtype)
+        u_BTD = feedback_inputs(model, e_BTD, carried_BTD, fuse_from_B, positions_BT)
+        h_BTD = model.stack(u_BTD, positions_BT, segment_ids_BT)
+        states.append(h_BTD)
+    return states
+
+
+def token_nll(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Summed weighted cross-entropy and summed weight (fp32), for exact means over batches."""
+    logprobs_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+    nll_BT = -jnp.take_along_axis(logprobs_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    weights_BT = weights_BT.astype(jnp.float32)
+    return jnp.sum(nll_BT * weights_BT), jnp.sum(weights_BT)
+
+
+def token_loss(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array) -> jax.Array:
+    """Mean cross-entropy over tokens with non-zero weight (masked targets have weight 0)."""
+    nll, weight = token_nll(logits_BTV, targets_BT, weights_BT)
+    return nll / jnp.maximum(weight, 1e-8)
+
+
+def kpass_loss(
+    model: FBTransformer,
+    batch: dict[str, jax.Array],
+    fuse_from_B: jax.Array,
+    num_passes: int,
+    options: PassOptions = PassOptions(),
+    noise_rng: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The K-pass objective: Σ_k w_k · NTP(Hᵏ) / Σ_k w_k, with per-pass losses as metrics.
+
+    `batch` holds `inputs`, `targets`, `weights` (B, T) and optionally `positions`/`segment_ids`.
+    Gradients of later passes flow into earlier passes' states unless `options.stop_gradient`.
+    """
+    states = kpass_forward(
+        model,
+        batch["inputs"],
+        fuse_from_B,
+        num_passes,
+        options,
+        noise_rng,
+        batch.get("positions"),
+        batch.get("segment_ids"),
+    )
+    pass_losses = jnp.stack([token_loss(model.logits(h), batch["targets"], batch["weights"]) for h in states])
+    loss = jnp.sum(options.pass_weights(num_passes) * pass_losses)
+    metrics = {f"loss_pass_{k + 1}": pass_losses[k] for k in range(num_passes)}
+    return loss, metrics
+
+
+def draw_fuse_from(rng: jax.Array, batch_size: int, mixin_prob: float, low: int, high: int) -> jax.Array:
+    """Prefix mix-in (method §7): per example, p ~ U{low..high} with probability `mixin_prob`,
+    else p = 1 (fully fused), so training sees "plain prompt, then fused" as inference does."""
+    coin_rng, p_rng = jax.random.split(rng)
+    random_p_B = jax.random.randint(p_rng, (batch_size,), low, high + 1, dtype=jnp.int32)
+    use_random_B = jax.random.uniform(coin_rng, (batch_size,)) < mixin_prob
+    return jnp.where(use_random_B, random_p_B, 1).astype(jnp.int32)
+
+
+def sequential_feedback(
+    model: FBTransformer,
+    tokens_BT: jax.Array,
+    fuse_from_B: jax.Array,
+    positions_BT: jax.Array | None = None,
+) -> jax.Array:
+    """Ground truth (method §4): the latent-feedback recurrence, one position at a time.
+
+    Position t's input needs h_{t-1}, computed from fused inputs itself. Since F is causal,
+    h_{t-1} depends only on u_0..u_{t-1}, so step t re-runs F over the buffer of inputs decided
+    so far and writes u_t. Deliberately simple (T full forward passes, no KV cache) so that it
+    can serve as an independent reference for the K-pass objective and for cached decoding.
+    Returns the top states h (B, T, D) of the recurrence.
+    """
+    if positions_BT is None:
+        positions_BT = default_positions(tokens_BT.shape)
+    e_BTD = model.embed(tokens_BT)
+    u0_BTD = e_BTD.astype(model.fusion.compute_dtype)
+
+    def decide_input(t: jax.Array, u_BTD: jax.Array) -> jax.Array:
+        h_BTD = model.stack(u_BTD, positions_BT)
+        e_t = jax.lax.dynamic_index_in_dim(e_BTD, t, axis=1)  # (B, 1, D)
+        h_prev = jax.lax.dynamic_index_in_dim(h_BTD, t - 1, axis=1)
+        fused_t = model.fusion(e_t, h_prev)
+        pos_t = jax.lax.dynamic_index_in_dim(positions_BT, t, axis=1)  # (B, 1)
+        u_t = jnp.where((pos_t >= fuse_from_B[:, None])[..., None], fused_t, e_t.astype(fused_t.dtype))
+        return jax.lax.dynamic_update_index_in_dim(u_BTD, u_t, t, axis=1)
+
+    u_BTD = jax.lax.fori_loop(1, tokens_BT.shape[1], decide_input, u0_BTD)
+    return model.stack(u_BTD, positions_BT)

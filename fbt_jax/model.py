@@ -1,0 +1,237 @@
+"""The causal transformer stack F of a Full-Bandwidth Transformer (method §2).
+
+`FBTransformer` owns every parameter: the tied embedding table, L pre-norm blocks, the final
+RMSNorm and the fusion (the only new parameters, defined in `feedback.py`). It exposes the pieces
+the K-pass objective and the sequential recurrence compose, rather than one opaque `__call__`:
+
+    e_BTD = model.embed(tokens_BT)              # e_t = E[x_t]
+    h_BTD = model.stack(u_BTD, positions_BT)    # H = F(U): blocks + final norm
+    u_BTD = model.fusion(e_BTD, h_prev_BTD)     # fuse(e_t, h_{t-1})
+    logits_BTV = model.logits(h_BTD)            # tied readout h · Eᵀ
+
+Every parameter carries logical axis names (`out_sharding` metadata, e.g. ('embed', 'mlp')) so the
+sharding layer maps names to mesh axes; `eager_sharding=False` lets the model be built on any
+device set (the mesh-aware init applies the rules through jit's out_shardings).
+
+Shape suffixes: B batch, T sequence, D model width, N query heads, K kv heads, H head dim,
+F MLP hidden width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from fbt_jax.feedback import Fusion, default_positions
+
+# Logical axis names used by the parameters. The sharding rules map these to mesh axes.
+AXIS_VOCAB = "vocab"
+AXIS_EMBED = "embed"
+AXIS_MLP = "mlp"
+AXIS_HEADS = "heads"
+AXIS_KV_HEADS = "kv_heads"
+AXIS_HEAD_DIM = "head_dim"
+AXIS_NORM = "norm"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Static model hyper-parameters (built from `config.model`; see docs/config.md)."""
+
+    vocab_size: int
+    embed_dim: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    mlp_dim: int
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-6
+    fusion: str = "glu"
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    scale_logits: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @classmethod
+    def from_config(cls, model_cfg: Any) -> ModelConfig:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in dict(model_cfg).items() if k in fields})
+
+
+def _param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype: Any) -> jax.Array:
+    return std * jax.random.normal(rngs.params(), shape, dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, param_dtype: Any):
+        self.scale = _param(jnp.ones((dim,), param_dtype), (AXIS_NORM,))
+        self.eps = eps
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        # Normalise in fp32 whatever the compute dtype: bf16 mean-of-squares loses too much.
+        x = x_BTD.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * self.scale[...].astype(jnp.float32)).astype(x_BTD.dtype)
+
+
+def rotary(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (split-half form), computed in fp32."""
+    half = x_BTNH.shape[-1] // 2
+    freq_H = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_BTH = positions_BT[..., None].astype(jnp.float32) * freq_H
+    sin, cos = jnp.sin(angle_BTH)[:, :, None, :], jnp.cos(angle_BTH)[:, :, None, :]
+    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTNH.dtype)
+
+
+def attention_mask(positions_BT: jax.Array, segment_ids_BT: jax.Array | None) -> jax.Array:
+    """Causal mask (B, 1, T, T): query t sees key s iff s ≤ t (and both share a segment)."""
+    T = positions_BT.shape[1]
+    mask_TT = jnp.tril(jnp.ones((T, T), bool))
+    mask_BTT = jnp.broadcast_to(mask_TT, (positions_BT.shape[0], T, T))
+    if segment_ids_BT is not None:
+        mask_BTT = mask_BTT & (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
+    return mask_BTT[:, None]
+
+
+class Attention(nnx.Module):
+    """Multi-head causal attention with grouped KV heads (num_kv_heads divides num_heads)."""
+
+    def __init__(self, cfg: ModelConfig, out_std: float, rngs: nnx.Rngs):
+        D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        dt = jnp.dtype(cfg.param_dtype)
+        in_std = D**-0.5
+        self.q_DNH = _param(_normal(rngs, (D, N, H), in_std, dt), (AXIS_EMBED, AXIS_HEADS, AXIS_HEAD_DIM))
+        self.k_DKH = _param(_normal(rngs, (D, K, H), in_std, dt), (AXIS_EMBED, AXIS_KV_HEADS, AXIS_HEAD_DIM))
+        self.v_DKH = _param(_normal(rngs, (D, K, H), in_std, dt), (AXIS_EMBED, AXIS_KV_HEADS, AXIS_HEAD_DIM))
+        self.o_NHD = _param(_normal(rngs, (N, H, D), out_std, dt), (AXIS_HEADS, AXIS_HEAD_DIM, AXIS_EMBED))
+        self.num_groups = N // K
+        self.rope_theta = cfg.rope_theta
+
+    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, mask_B1TT: jax.Array) -> jax.Array:
+        cd = x_BTD.dtype
+        q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.q_DNH[...].astype(cd))
+        k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.k_DKH[...].astype(cd))
+        v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.v_DKH[...].astype(cd))
+        q_BTNH = rotary(q_BTNH, positions_BT, self.rope_theta)
+        k_BTKH = rotary(k_BTKH, positions_BT, self.rope_theta)
+        B, T, N, H = q_BTNH.shape
+        # Query head n uses kv head n // num_groups: split N into (K, G) instead of repeating KV.
+        q_BTKGH = q_BTNH.reshape(B, T, N // self.num_groups, self.num_groups, H)
+        scores_BKGTS = jnp.einsum(
+            "btkgh,bskh->bkgts", q_BTKGH, k_BTKH, preferred_element_type=jnp.float32
+        ) * (H**-0.5)
+        scores_BKGTS = jnp.where(mask_B1TT[:, :, None], scores_BKGTS, jnp.finfo(jnp.float32).min)
+        probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(cd)
+        out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BTKH)
+        out_BTNH = out_BTKGH.reshape(B, T, N, H)
+        return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_NHD[...].astype(cd))
+
+
+class SwiGLU(nnx.Module):
+    def __init__(self, cfg: ModelConfig, out_std: float, rngs: nnx.Rngs):
+        D, F = cfg.embed_dim, cfg.mlp_dim
+        dt = jnp.dtype(cfg.param_dtype)
+        self.gate_DF = _param(_normal(rngs, (D, F), D**-0.5, dt), (AXIS_EMBED, AXIS_MLP))
+        self.up_DF = _param(_normal(rngs, (D, F), D**-0.5, dt), (AXIS_EMBED, AXIS_MLP))
+        # Contracted dim `mlp` first (Megatron layout): see docs/platform-notes on silent
+        # wrong gradients when the contracted dim of w2 sat on a different mesh axis.
+        self.down_FD = _param(_normal(rngs, (F, D), out_std, dt), (AXIS_MLP, AXIS_EMBED))
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        cd = x_BTD.dtype
+        gate_BTF = jnp.einsum("btd,df->btf", x_BTD, self.gate_DF[...].astype(cd))
+        up_BTF = jnp.einsum("btd,df->btf", x_BTD, self.up_DF[...].astype(cd))
+        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate_BTF) * up_BTF, self.down_FD[...].astype(cd))
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: x + Attn(norm(x)), then + MLP(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        # Depth scaling (method §7): residual branch outputs start at std / sqrt(2L) so the
+        # residual stream, and hence the carried top state, stays O(1) as depth grows.
+        out_std = cfg.embed_dim**-0.5 / math.sqrt(2 * cfg.num_layers)
+        pdt = jnp.dtype(cfg.param_dtype)
+        self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pdt)
+        self.attn = Attention(cfg, out_std, rngs)
+        self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pdt)
+        self.mlp = SwiGLU(cfg, out_std, rngs)
+
+    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, mask_B1TT: jax.Array) -> jax.Array:
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, mask_B1TT)
+        return x_BTD + self.mlp(self.mlp_norm(x_BTD))
+
+
+class FBTransformer(nnx.Module):
+    """Decoder-only transformer with tied embeddings and a latent-feedback fusion."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        pdt = jnp.dtype(cfg.param_dtype)
+        # Unit-variance embeddings: e_t has per-feature RMS ≈ 1, the same scale as the
+        # final-normed state h that is fed back, so plain and fused inputs live in one space.
+        self.embedding_VD = _param(_normal(rngs, (cfg.vocab_size, cfg.embed_dim), 1.0, pdt), (AXIS_VOCAB, AXIS_EMBED))
+        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pdt)
+        self.fusion = Fusion(cfg.embed_dim, cfg.fusion, pdt, cfg.compute_dtype, rngs)
+
+    @property
+    def compute_dtype(self) -> Any:
+        return jnp.dtype(self.cfg.compute_dtype)
+
+    def embed(self, tokens_BT: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding_VD[...], tokens_BT, axis=0).astype(self.compute_dtype)
+
+    def stack(
+        self,
+        u_BTD: jax.Array,
+        positions_BT: jax.Array | None = None,
+        segment_ids_BT: jax.Array | None = None,
+    ) -> jax.Array:
+        """H = F(U): the L blocks and the final norm. Returns the top states h (compute dtype)."""
+        if positions_BT is None:
+            positions_BT = default_positions(u_BTD.shape[:2])
+        mask_B1TT = attention_mask(positions_BT, segment_ids_BT)
+        x_BTD = u_BTD.astype(self.compute_dtype)
+        for block in self.blocks:
+            x_BTD = block(x_BTD, positions_BT, mask_B1TT)
+        return self.final_norm(x_BTD)
+
+    def logits(self, h_BTD: jax.Array) -> jax.Array:
+        """Tied readout h · Eᵀ in fp32 (optionally scaled by 1/√D, since ‖h‖ ≈ √D)."""
+        logits_BTV = jnp.einsum(
+            "btd,vd->btv",
+            h_BTD,
+            self.embedding_VD[...].astype(h_BTD.dtype),
+            preferred_element_type=jnp.float32,
+        )
+        if self.cfg.scale_logits:
+            logits_BTV = logits_BTV * (self.cfg.embed_dim**-0.5)
+        return logits_BTV
+
+
+def build_model(cfg: ModelConfig, seed: int) -> FBTransformer:
+    return FBTransformer(cfg, nnx.Rngs(params=seed))
+
+
+def abstract_model(cfg: ModelConfig) -> FBTransformer:
+    """The model's structure and shapes without allocating weights (for big configs)."""
+    return nnx.eval_shape(lambda: build_model(cfg, 0))
+
+
+def count_params(model: FBTransformer) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
