@@ -114,7 +114,10 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int = 1) -> 
     )
 
     _require(isinstance(t.steps, int) and t.steps >= 1, f"train.steps={t.steps!r} must be a positive integer")
-    _require(isinstance(t.batch_size, int) and t.batch_size >= 1, f"train.batch_size={t.batch_size!r} must be a positive integer")
+    _require(
+        isinstance(t.batch_size, int) and t.batch_size >= 1,
+        f"train.batch_size={t.batch_size!r} must be a positive integer",
+    )
     _require(
         t.batch_size % num_devices == 0,
         f"train.batch_size={t.batch_size} is not divisible by the {num_devices} devices; use a multiple of {num_devices}",
@@ -137,7 +140,9 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int = 1) -> 
             len(weights) >= max_k,
             f"passes.loss_weights has {len(weights)} entries but up to K={max_k} passes run; give one weight per pass up to {max_k}",
         )
-        _require(all(w >= 0 for w in weights), f"passes.loss_weights={weights} has a negative weight; weights must be >= 0")
+        _require(
+            all(w >= 0 for w in weights), f"passes.loss_weights={weights} has a negative weight; weights must be >= 0"
+        )
         _require(
             all(sum(weights[:k]) > 0 for k in range(1, max_k + 1)),
             f"passes.loss_weights={weights} gives zero total weight for some K; make the first weight positive",
@@ -148,13 +153,23 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int = 1) -> 
         0 <= o.warmup_steps < t.steps,
         f"optimizer.warmup_steps={o.warmup_steps} must be in [0, train.steps={t.steps}); shorten the warmup",
     )
-    _require(0.0 <= o.min_learning_rate_ratio <= 1.0, f"optimizer.min_learning_rate_ratio={o.min_learning_rate_ratio} must be in [0, 1]")
-    _require(o.grad_clip_norm >= 0, f"optimizer.grad_clip_norm={o.grad_clip_norm} is negative; use 0 to turn clipping off")
+    _require(
+        0.0 <= o.min_learning_rate_ratio <= 1.0,
+        f"optimizer.min_learning_rate_ratio={o.min_learning_rate_ratio} must be in [0, 1]",
+    )
+    _require(
+        o.grad_clip_norm >= 0, f"optimizer.grad_clip_norm={o.grad_clip_norm} is negative; use 0 to turn clipping off"
+    )
     _require(o.weight_decay >= 0, f"optimizer.weight_decay={o.weight_decay} is negative")
 
     _require(len(e.num_passes) >= 1, "eval.num_passes is empty; list the pass counts to evaluate, e.g. (1, 2, 3)")
-    _require(all(int(k) >= 1 for k in e.num_passes), f"eval.num_passes={tuple(e.num_passes)} has a K below 1; every K must be >= 1")
-    _require(1 <= e.fuse_from <= last, f"eval.fuse_from={e.fuse_from} is outside the sequence; use 1..data.seq_len-1={last}")
+    _require(
+        all(int(k) >= 1 for k in e.num_passes),
+        f"eval.num_passes={tuple(e.num_passes)} has a K below 1; every K must be >= 1",
+    )
+    _require(
+        1 <= e.fuse_from <= last, f"eval.fuse_from={e.fuse_from} is outside the sequence; use 1..data.seq_len-1={last}"
+    )
     _require(e.num_batches >= 0, f"eval.num_batches={e.num_batches} is negative; use 0 to skip evaluation")
     _require(
         e.batch_size >= 1 and e.batch_size % num_devices == 0,

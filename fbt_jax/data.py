@@ -22,7 +22,7 @@ from fbt_jax.errors import ConfigError
 SPLITS = {"train": 0, "validation": 1}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def group_elements(group: str) -> tuple[tuple[int, ...], ...]:
     """Elements of a permutation group as tuples; index 0 is the identity.
 
@@ -45,7 +45,7 @@ def _is_even(perm: tuple[int, ...]) -> bool:
     return inversions % 2 == 0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def composition_table(group: str) -> np.ndarray:
     """table[a, b] = index of a ∘ b."""
     elements = group_elements(group)

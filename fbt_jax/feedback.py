@@ -128,9 +128,10 @@ def kpass_forward(
 
 def token_nll(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Summed weighted cross-entropy and summed weight (fp32), for exact means over batches."""
-    logprobs_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+    acc = jnp.promote_types(logits_BTV.dtype, jnp.float32)
+    logprobs_BTV = jax.nn.log_softmax(logits_BTV.astype(acc), axis=-1)
     nll_BT = -jnp.take_along_axis(logprobs_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    weights_BT = weights_BT.astype(jnp.float32)
+    weights_BT = weights_BT.astype(acc)
     return jnp.sum(nll_BT * weights_BT), jnp.sum(weights_BT)
 
 

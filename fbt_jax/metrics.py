@@ -1,4 +1,5 @@
-"""Metric sinks: `<workdir>/metrics.jsonl` (one JSON object per line) and TensorBoard events.
+"""Metric sinks: JSON lines per stream (`metrics.jsonl` for training, `eval.jsonl` for held-out
+evaluation) and one TensorBoard event directory (eval scalars under `eval/`).
 
 Only process 0 writes; other processes get a writer that does nothing, so callers need no checks.
 """
@@ -11,36 +12,40 @@ from typing import Any
 
 import jax
 
+STREAM_FILES = {"train": "metrics.jsonl", "eval": "eval.jsonl"}
+TENSORBOARD_DIR = "tensorboard"
+
 
 class MetricsWriter:
-    def __init__(self, workdir: str, filename: str = "metrics.jsonl", tensorboard_dir: str = "tensorboard"):
+    def __init__(self, workdir: str):
         self.enabled = jax.process_index() == 0
-        self.path = os.path.join(workdir, filename)
-        self.tensorboard_dir = os.path.join(workdir, tensorboard_dir)
-        self._file = None
+        self.paths = {stream: os.path.join(workdir, name) for stream, name in STREAM_FILES.items()}
+        self.tensorboard_dir = os.path.join(workdir, TENSORBOARD_DIR)
+        self._files: dict[str, Any] = {}
         self._tb = None
         if self.enabled:
             # Imported here: tensorboardX pulls in protobuf, which non-writing processes skip.
             from tensorboardX import SummaryWriter
 
             os.makedirs(workdir, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")
+            self._files = {stream: open(path, "a", encoding="utf-8") for stream, path in self.paths.items()}
             self._tb = SummaryWriter(self.tensorboard_dir, flush_secs=10)
 
-    def write(self, step: int, scalars: dict[str, Any], prefix: str = "") -> None:
+    def write(self, step: int, scalars: dict[str, Any], stream: str = "train") -> None:
         if not self.enabled:
             return
         record = {"step": int(step), **{k: _plain(v) for k, v in scalars.items()}}
-        if not prefix:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+        self._files[stream].write(json.dumps(record) + "\n")
+        self._files[stream].flush()
+        prefix = "" if stream == "train" else f"{stream}/"
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)):
                 self._tb.add_scalar(f"{prefix}{key}", value, int(step))
 
     def close(self) -> None:
         if self.enabled:
-            self._file.close()
+            for f in self._files.values():
+                f.close()
             self._tb.close()
 
 

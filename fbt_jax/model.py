@@ -66,6 +66,11 @@ class ModelConfig:
         return cls(**{k: v for k, v in dict(model_cfg).items() if k in fields})
 
 
+def at_least_f32(dtype: Any) -> Any:
+    """Accumulation dtype: fp32 for bf16/fp32 compute, fp64 when computing in fp64."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def _param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
@@ -81,18 +86,20 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         # Normalise in fp32 whatever the compute dtype: bf16 mean-of-squares loses too much.
-        x = x_BTD.astype(jnp.float32)
+        acc = at_least_f32(x_BTD.dtype)
+        x = x_BTD.astype(acc)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (x * self.scale[...].astype(jnp.float32)).astype(x_BTD.dtype)
+        return (x * self.scale[...].astype(acc)).astype(x_BTD.dtype)
 
 
 def rotary(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding (split-half form), computed in fp32."""
+    """Rotary position embedding (split-half form), computed in at least fp32."""
+    acc = at_least_f32(x_BTNH.dtype)
     half = x_BTNH.shape[-1] // 2
-    freq_H = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_BTH = positions_BT[..., None].astype(jnp.float32) * freq_H
+    freq_H = theta ** (-jnp.arange(half, dtype=acc) / half)
+    angle_BTH = positions_BT[..., None].astype(acc) * freq_H
     sin, cos = jnp.sin(angle_BTH)[:, :, None, :], jnp.cos(angle_BTH)[:, :, None, :]
-    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    x1, x2 = jnp.split(x_BTNH.astype(acc), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BTNH.dtype)
 
@@ -129,12 +136,11 @@ class Attention(nnx.Module):
         q_BTNH = rotary(q_BTNH, positions_BT, self.rope_theta)
         k_BTKH = rotary(k_BTKH, positions_BT, self.rope_theta)
         B, T, N, H = q_BTNH.shape
+        acc = at_least_f32(cd)
         # Query head n uses kv head n // num_groups: split N into (K, G) instead of repeating KV.
         q_BTKGH = q_BTNH.reshape(B, T, N // self.num_groups, self.num_groups, H)
-        scores_BKGTS = jnp.einsum(
-            "btkgh,bskh->bkgts", q_BTKGH, k_BTKH, preferred_element_type=jnp.float32
-        ) * (H**-0.5)
-        scores_BKGTS = jnp.where(mask_B1TT[:, :, None], scores_BKGTS, jnp.finfo(jnp.float32).min)
+        scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BTKH, preferred_element_type=acc) * (H**-0.5)
+        scores_BKGTS = jnp.where(mask_B1TT[:, :, None], scores_BKGTS, jnp.finfo(acc).min)
         probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(cd)
         out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BTKH)
         out_BTNH = out_BTKGH.reshape(B, T, N, H)
@@ -212,12 +218,12 @@ class FBTransformer(nnx.Module):
         return self.final_norm(x_BTD)
 
     def logits(self, h_BTD: jax.Array) -> jax.Array:
-        """Tied readout h · Eᵀ in fp32 (optionally scaled by 1/√D, since ‖h‖ ≈ √D)."""
+        """Tied readout h · Eᵀ in (at least) fp32, optionally scaled by 1/√D since ‖h‖ ≈ √D."""
         logits_BTV = jnp.einsum(
             "btd,vd->btv",
             h_BTD,
             self.embedding_VD[...].astype(h_BTD.dtype),
-            preferred_element_type=jnp.float32,
+            preferred_element_type=at_least_f32(h_BTD.dtype),
         )
         if self.cfg.scale_logits:
             logits_BTV = logits_BTV * (self.cfg.embed_dim**-0.5)

@@ -50,10 +50,14 @@ class PassSchedule:
                 continue
             start_text, sep, mix_text = text.partition(":")
             if not sep:
-                raise ConfigError(f"{field}: phase {text!r} lacks 'start:'; write phases as 'START:K=P,K=P', e.g. {DEFAULT_SCHEDULE!r}")
+                raise ConfigError(
+                    f"{field}: phase {text!r} lacks 'start:'; write phases as 'START:K=P,K=P', e.g. {DEFAULT_SCHEDULE!r}"
+                )
             phases.append(Phase(_parse_start(start_text.strip(), total_steps, field), _parse_mixture(mix_text, field)))
         if phases[0].start_step != 0:
-            raise ConfigError(f"{field}: the first phase starts at step {phases[0].start_step}; it must start at 0 (write '0.0:...')")
+            raise ConfigError(
+                f"{field}: the first phase starts at step {phases[0].start_step}; it must start at 0 (write '0.0:...')"
+            )
         for prev, nxt in zip(phases, phases[1:]):
             if nxt.start_step <= prev.start_step:
                 raise ConfigError(
@@ -128,18 +132,22 @@ def _uniform(seed: int, step: int) -> float:
 
 
 def _parse_start(text: str, total_steps: int, field: str) -> int:
+    is_fraction = "." in text or "e" in text.lower()
     try:
-        if "." in text or "e" in text.lower():
-            fraction = float(text)
-            if not 0.0 <= fraction < 1.0:
-                raise ConfigError(f"{field}: phase start {text} is a fraction of the run and must lie in [0, 1); use a step number for absolute starts")
-            return int(round(fraction * total_steps))
-        step = int(text)
+        value = float(text) if is_fraction else int(text)
     except ValueError:
-        raise ConfigError(f"{field}: phase start {text!r} is neither a step (int) nor a fraction of the run (e.g. 0.75)") from None
-    if step < 0:
-        raise ConfigError(f"{field}: phase start {step} is negative; steps count from 0")
-    return step
+        raise ConfigError(
+            f"{field}: phase start {text!r} is neither a step (int) nor a fraction of the run (e.g. 0.75)"
+        ) from None
+    if is_fraction:
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(
+                f"{field}: phase start {text} is a fraction of the run and must lie in [0, 1); use a step number for absolute starts"
+            )
+        return int(round(value * total_steps))
+    if value < 0:
+        raise ConfigError(f"{field}: phase start {value} is negative; steps count from 0")
+    return value
 
 
 def _parse_mixture(text: str, field: str) -> tuple[tuple[int, float], ...]:
@@ -164,5 +172,7 @@ def _parse_mixture(text: str, field: str) -> tuple[tuple[int, float], ...]:
         raise ConfigError(f"{field}: a phase has an empty mixture; write at least one 'K=P'")
     total = sum(mixture.values())
     if abs(total - 1.0) > 1e-6:
-        raise ConfigError(f"{field}: probabilities of mixture {text.strip()!r} sum to {total:.6g}, not 1; rescale them so they sum to 1")
+        raise ConfigError(
+            f"{field}: probabilities of mixture {text.strip()!r} sum to {total:.6g}, not 1; rescale them so they sum to 1"
+        )
     return tuple(sorted(mixture.items()))

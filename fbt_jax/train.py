@@ -70,9 +70,7 @@ def make_optimizer(config: ml_collections.ConfigDict) -> tuple[optax.GradientTra
         return jax.tree_util.tree_map_with_path(is_decayed, params)
 
     chain = [optax.clip_by_global_norm(o.grad_clip_norm)] if o.grad_clip_norm > 0 else []
-    chain.append(
-        optax.adamw(lr_schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)
-    )
+    chain.append(optax.adamw(lr_schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask))
     return optax.chain(*chain), lr_schedule
 
 
@@ -118,7 +116,7 @@ def train_step(
     metrics = {
         **metrics,
         "loss": loss,
-        "grad_norm": optax.global_norm(grads),
+        "grad_norm": optax.tree.norm(grads),
         "learning_rate": lr_schedule(state.step),
         "mean_fuse_from": jnp.mean(fuse_from_B.astype(jnp.float32)),
     }
@@ -184,19 +182,30 @@ class Trainer:
         batch = self._local_batch("train", 0, self.config.train.batch_size)
         for k in self.schedule.pass_counts:
             fn = functools.partial(
-                train_step, graphdef=self.graphdef, tx=self.tx, lr_schedule=self.lr_schedule, settings=settings, num_passes=k
+                train_step,
+                graphdef=self.graphdef,
+                tx=self.tx,
+                lr_schedule=self.lr_schedule,
+                settings=settings,
+                num_passes=k,
             )
-            jitted = jax.jit(fn, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, state_sh), donate_argnums=0)
+            jitted = jax.jit(
+                fn, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, state_sh), donate_argnums=0
+            )
             start = time.perf_counter()
             self.train_programs[k] = jitted.lower(self.state, batch).compile()
             times[f"train_K{k}"] = time.perf_counter() - start
             self.log(f"compiled train step K={k} in {times[f'train_K{k}']:.1f}s")
         if self.config.eval.num_batches > 0:
             e = self.config.eval
-            fn = functools.partial(eval_step, graphdef=self.graphdef, num_passes=max(e.num_passes), fuse_from=e.fuse_from)
+            fn = functools.partial(
+                eval_step, graphdef=self.graphdef, num_passes=max(e.num_passes), fuse_from=e.fuse_from
+            )
             jitted = jax.jit(fn, in_shardings=(state_sh, batch_sh), out_shardings=state_sh)
             start = time.perf_counter()
-            self.eval_program = jitted.lower(self.state.params, self._local_batch("validation", 0, e.batch_size)).compile()
+            self.eval_program = jitted.lower(
+                self.state.params, self._local_batch("validation", 0, e.batch_size)
+            ).compile()
             times["eval"] = time.perf_counter() - start
             self.log(f"compiled eval (K up to {max(e.num_passes)}) in {times['eval']:.1f}s")
         return times
@@ -223,11 +232,12 @@ class Trainer:
         if jax.process_index() == 0:
             with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
                 f.write(cfg.to_json_best_effort(indent=2))
-        self.log(f"model: {count_params(nnx.merge(self.graphdef, self.state.params)):,} parameters; devices: {self.mesh.size}")
+        self.log(
+            f"model: {count_params(nnx.merge(self.graphdef, self.state.params)):,} parameters; devices: {self.mesh.size}"
+        )
         self.log(self.schedule.describe(cfg.train.steps))
         compile_times = self.compile()
         writer = MetricsWriter(workdir)
-        eval_writer = MetricsWriter(workdir, filename="eval.jsonl")
         steps, batch_size, seq_len = cfg.train.steps, cfg.train.batch_size, cfg.data.seq_len
         bar = _progress_bar(steps, enabled=progress and jax.process_index() == 0)
         start_time = interval_start = time.perf_counter()
@@ -247,13 +257,14 @@ class Trainer:
                     interval_start, interval_steps = now, 0
                     writer.write(step + 1, {"num_passes": k, **metrics, "tokens_per_second": tokens_per_second})
                     bar.set_postfix(loss=f"{metrics['loss']:.3f}", K=k, tok_s=f"{tokens_per_second:,.0f}")
-                if self.eval_program is not None and (last or (cfg.eval.every_steps and (step + 1) % cfg.eval.every_steps == 0)):
+                if self.eval_program is not None and (
+                    last or (cfg.eval.every_steps and (step + 1) % cfg.eval.every_steps == 0)
+                ):
                     eval_results = self.evaluate()
-                    eval_writer.write(step + 1, eval_results, prefix="eval/")
+                    writer.write(step + 1, eval_results, stream="eval")
         finally:
             bar.close()
             writer.close()
-            eval_writer.close()
         elapsed = time.perf_counter() - start_time
         summary = {
             "steps": steps,
@@ -263,8 +274,8 @@ class Trainer:
             "realised_mixture": self.schedule.realised_mixture(0, steps),
             "outputs": {
                 "workdir": workdir,
-                "metrics": writer.path,
-                "eval": eval_writer.path,
+                "metrics": writer.paths["train"],
+                "eval": writer.paths["eval"],
                 "tensorboard": writer.tensorboard_dir,
                 "config": os.path.join(workdir, "config.json"),
             },
@@ -298,7 +309,10 @@ def format_summary(summary: dict[str, Any]) -> str:
     if summary["eval"]:
         ks = sorted(int(key.split("K")[1]) for key in summary["eval"] if key.startswith("loss_"))
         lines.append("held-out eval (fully fused from position 1):")
-        lines += [f"  K={k}: loss {summary['eval'][f'loss_K{k}']:.4f}  accuracy {summary['eval'][f'accuracy_K{k}']:.3f}" for k in ks]
+        lines += [
+            f"  K={k}: loss {summary['eval'][f'loss_K{k}']:.4f}  accuracy {summary['eval'][f'accuracy_K{k}']:.3f}"
+            for k in ks
+        ]
     out = summary["outputs"]
     lines.append(f"outputs in {out['workdir']}:")
     lines += [f"  {name:<12}{out[name]}" for name in ("metrics", "eval", "tensorboard", "config")]
@@ -307,9 +321,13 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    from absl import flags
+    from absl import flags, logging
 
     del argv
+    if not flags.FLAGS["verbosity"].present:
+        # absl logs at INFO by default, which prints backend probing noise ("Unable to initialize
+        # backend 'tpu'") on machines without one; --verbosity=0 brings it back.
+        logging.set_verbosity(logging.WARNING)
     config = flags.FLAGS.config
     try:
         trainer = Trainer(config)

@@ -1,0 +1,32 @@
+"""A ~1B-parameter Full-Bandwidth Transformer, sized like the paper's 1B model.
+
+Training it needs an accelerator pod; on a CPU it only builds (abstractly) and validates. The
+data section still points at the built-in task: a real run overrides `data.*` with a text corpus
+and sets `model.vocab_size` to the tokenizer's.
+"""
+
+from fbt_jax.config import default_config
+
+
+def get_config():
+    c = default_config()
+    c.workdir = "runs/fbt_1b"
+    c.data.seq_len = 2048
+    c.model.vocab_size = 100_352  # a cl100k-sized tokenizer, padded to a multiple of 128
+    c.model.embed_dim = 2048
+    c.model.num_layers = 18
+    c.model.num_heads = 16
+    c.model.num_kv_heads = 8
+    c.model.mlp_dim = 5376
+    c.model.rope_theta = 500_000.0
+    c.model.param_dtype = "float32"
+    c.model.compute_dtype = "bfloat16"
+    c.train.steps = 100_000  # 100k steps × 512 × 2048 tokens ≈ 100B tokens
+    c.train.batch_size = 512
+    c.train.log_every = 50
+    c.optimizer.learning_rate = 3e-4
+    c.optimizer.warmup_steps = 2000
+    c.eval.batch_size = 512
+    c.eval.num_batches = 20
+    c.eval.every_steps = 5000
+    return c

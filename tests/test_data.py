@@ -1,0 +1,57 @@
+"""The built-in word-problem task against a direct computation."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from fbt_jax.data import WordProblem, composition_table, group_elements
+from fbt_jax.errors import ConfigError
+
+
+def compose(a, b):
+    return tuple(a[b[i]] for i in range(len(a)))
+
+
+@pytest.mark.parametrize("group, order", [("S3", 6), ("S5", 120), ("A4", 12), ("A5", 60), ("Z7", 7)])
+def test_groups_have_the_right_order_and_identity_first(group, order):
+    elements = group_elements(group)
+    assert len(elements) == order == len(set(elements))
+    assert elements[0] == tuple(range(len(elements[0])))
+    table = composition_table(group)
+    assert all(sorted(row) == list(range(order)) for row in table)  # a Latin square: a group
+
+
+def test_word_problem_targets_are_prefix_products():
+    task = WordProblem(group="S4", seq_len=12, seed=5)
+    elements = group_elements("S4")
+    batch = task.examples("train", np.arange(10, 16))
+    for inputs, targets in zip(batch["inputs"], batch["targets"]):
+        running = elements[0]
+        for g, label in zip(inputs, targets):
+            running = compose(running, elements[g])
+            assert elements[label] == running
+    assert batch["weights"].shape == (6, 12) and np.all(batch["weights"] == 1)
+
+
+def test_examples_are_a_function_of_index_and_splits_differ():
+    task = WordProblem(group="S5", seq_len=16, seed=0)
+    whole = task.batch("train", step=3, batch_size=8)["inputs"]
+    part = task.examples("train", np.arange(26, 28))["inputs"]
+    assert np.array_equal(whole[2:4], part)
+    val = task.batch("validation", step=3, batch_size=8)["inputs"]
+    train_rows = {tuple(r) for r in task.examples("train", np.arange(512))["inputs"]}
+    assert not any(tuple(r) in train_rows for r in val)
+    assert not np.array_equal(whole, WordProblem(group="S5", seq_len=16, seed=1).batch("train", 3, 8)["inputs"])
+
+
+def test_unknown_group_is_a_config_error():
+    with pytest.raises(ConfigError, match="data.group='D4' is unknown"):
+        group_elements("D4")
+
+
+def test_composition_matches_itertools_definition():
+    table = composition_table("S3")
+    elements = group_elements("S3")
+    for (i, a), (j, b) in itertools.product(enumerate(elements), repeat=2):
+        assert elements[table[i, j]] == compose(a, b)

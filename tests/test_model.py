@@ -1,0 +1,92 @@
+"""The transformer stack: logical axes, grouped KV heads, init scales, dtypes, segments."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from conftest import small_model_config
+from flax import nnx
+
+from fbt_jax import model as model_lib
+from fbt_jax.feedback import kpass_forward
+from fbt_jax.model import build_model
+
+KNOWN_AXES = {"vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "norm", "fusion"}
+
+
+def test_every_parameter_has_logical_axis_names(small_model):
+    params = nnx.state(small_model, nnx.Param)
+    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    assert len(leaves) == 2 + 2 * 9 + 1 + 1  # fusion(2) + blocks(9 each) + final norm + embedding
+    for path, var in leaves:
+        axes = var.get_metadata()["out_sharding"]
+        assert len(axes) == var[...].ndim, path
+        assert set(axes) <= KNOWN_AXES, (path, axes)
+    specs = nnx.get_partition_spec(params)
+    assert tuple(specs["embedding_VD"]) == ("vocab", "embed")
+    assert tuple(specs["blocks"][0]["mlp"]["down_FD"]) == ("mlp", "embed")
+
+
+def test_grouped_kv_heads_equal_full_attention_with_repeated_kv():
+    gqa = build_model(small_model_config(num_heads=4, num_kv_heads=2), seed=0)
+    mha = build_model(small_model_config(num_heads=4, num_kv_heads=4), seed=1)
+    _, gqa_params = nnx.split(gqa, nnx.Param)
+    mha_graph, mha_params = nnx.split(mha, nnx.Param)
+    mha_params = jax.tree.map(lambda x: x, gqa_params)  # same values everywhere ...
+    for i in range(2):  # ... except k/v: head n of the MHA model copies kv head n // 2
+        attn = mha_params["blocks"][i]["attn"]
+        for name in ("k_DKH", "v_DKH"):
+            attn[name] = nnx.Param(jnp.repeat(attn[name][...], 2, axis=1))
+    mha = nnx.merge(mha_graph, mha_params)
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 8), 0, 16)
+    p_B = jnp.array([1, 3])
+    a = kpass_forward(gqa, tokens, p_B, 2)[-1]
+    b = kpass_forward(mha, tokens, p_B, 2)[-1]
+    assert float(jnp.max(jnp.abs(a - b))) <= 1e-5
+
+
+def test_residual_outputs_are_depth_scaled():
+    cfg = small_model_config(embed_dim=128, num_layers=8, mlp_dim=256)
+    model = build_model(cfg, seed=0)
+    expected = cfg.embed_dim**-0.5 / math.sqrt(2 * cfg.num_layers)
+    down = np.concatenate([np.ravel(b.mlp.down_FD[...]) for b in model.blocks])
+    out = np.concatenate([np.ravel(b.attn.o_NHD[...]) for b in model.blocks])
+    up = np.concatenate([np.ravel(b.mlp.up_DF[...]) for b in model.blocks])
+    assert abs(down.std() / expected - 1) < 0.05 and abs(out.std() / expected - 1) < 0.05
+    assert abs(up.std() / cfg.embed_dim**-0.5 - 1) < 0.05
+    # The carried (final-normed) state has unit RMS per feature, like the embeddings.
+    h = model.stack(model.embed(jnp.arange(16)[None]))
+    assert abs(float(jnp.sqrt(jnp.mean(h**2))) - 1) < 0.05
+
+
+def test_bf16_compute_keeps_fp32_params_and_tracks_fp32():
+    fp32 = build_model(small_model_config(), seed=0)
+    bf16 = build_model(small_model_config(compute_dtype="bfloat16"), seed=0)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nnx.state(bf16, nnx.Param)))
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 8), 0, 16)
+    p_B = jnp.array([1, 1])
+    h16 = kpass_forward(bf16, tokens, p_B, 2)[-1]
+    assert h16.dtype == jnp.bfloat16 and bf16.logits(h16).dtype == jnp.float32
+    h32 = kpass_forward(fp32, tokens, p_B, 2)[-1]
+    assert float(jnp.max(jnp.abs(h16.astype(jnp.float32) - h32))) < 0.1
+
+
+def test_segments_do_not_attend_to_each_other(small_model):
+    a = jax.random.randint(jax.random.PRNGKey(1), (1, 5), 0, 16)
+    b = jax.random.randint(jax.random.PRNGKey(2), (1, 7), 0, 16)
+    packed = jnp.concatenate([a, b], axis=1)
+    positions = jnp.concatenate([jnp.arange(5), jnp.arange(7)])[None]
+    segments = jnp.array([[1] * 5 + [2] * 7])
+    p_B = jnp.array([2])
+    h_packed = kpass_forward(small_model, packed, p_B, 3, positions_BT=positions, segment_ids_BT=segments)[-1]
+    h_a = kpass_forward(small_model, a, p_B, 3)[-1]
+    h_b = kpass_forward(small_model, b, p_B, 3)[-1]
+    assert float(jnp.max(jnp.abs(h_packed[:, :5] - h_a))) <= 1e-5
+    assert float(jnp.max(jnp.abs(h_packed[:, 5:] - h_b))) <= 1e-5
+
+
+def test_attention_mask_is_causal_and_segmented():
+    positions = jnp.arange(4)[None]
+    mask = model_lib.attention_mask(positions, jnp.array([[1, 1, 2, 2]]))[0, 0]
+    assert np.array_equal(np.asarray(mask), np.array([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]], bool))
