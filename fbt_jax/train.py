@@ -257,6 +257,11 @@ class Trainer:
                     interval_start, interval_steps = now, 0
                     writer.write(step + 1, {"num_passes": k, **metrics, "tokens_per_second": tokens_per_second})
                     bar.set_postfix(loss=f"{metrics['loss']:.3f}", K=k, tok_s=f"{tokens_per_second:,.0f}")
+                    if not np.isfinite(metrics["loss"]):
+                        raise FloatingPointError(
+                            f"loss is {metrics['loss']} at step {step + 1} (K={k}); the metrics so far are in "
+                            f"{writer.paths['train']}. Lower optimizer.learning_rate or set optimizer.grad_clip_norm"
+                        )
                 if self.eval_program is not None and (
                     last or (cfg.eval.every_steps and (step + 1) % cfg.eval.every_steps == 0)
                 ):
@@ -334,7 +339,11 @@ def main(argv: list[str]) -> None:
     except ConfigError as err:
         print(f"fbt-train: config error: {err}", file=sys.stderr)
         sys.exit(2)
-    summary = trainer.train()
+    try:
+        summary = trainer.train()
+    except FloatingPointError as err:
+        print(f"fbt-train: training diverged: {err}", file=sys.stderr)
+        sys.exit(3)
     if jax.process_index() == 0:
         print(format_summary(summary))
 

@@ -52,6 +52,7 @@ def cli_run(tmp_path_factory):
             "--config.train.log_every=4",
             "--config.optimizer.warmup_steps=4",
             "--config.eval.num_batches=2",
+            "--config.eval.every_steps=24",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -87,7 +88,8 @@ def test_cli_loss_goes_down_on_the_builtin_task(cli_run):
 def test_cli_writes_eval_and_tensorboard(cli_run):
     workdir, result = cli_run
     evals = [json.loads(line) for line in open(os.path.join(workdir, "eval.jsonl"))]
-    assert evals[-1]["step"] == 48 and {"loss_K1", "loss_K2", "loss_K3", "accuracy_K3"} <= evals[-1].keys()
+    assert [e["step"] for e in evals] == [24, 48]
+    assert {"loss_K1", "loss_K2", "loss_K3", "accuracy_K3"} <= evals[-1].keys()
     assert "K=3: loss" in result.stdout
     scalars = read_event_scalars(os.path.join(workdir, "tensorboard"))
     assert [step for step, _ in scalars["loss"]] == list(range(4, 49, 4))
@@ -150,3 +152,12 @@ def test_learning_rate_warms_up_then_decays_and_fusion_is_not_decayed():
     assert np.abs(updates["blocks"][0]["mlp"]["up_DF"][...]).max() > 0
     assert np.abs(updates["fusion"]["state_proj_DD"][...]).max() == 0.0
     assert np.abs(updates["final_norm"]["scale"][...]).max() == 0.0
+
+
+def test_divergence_stops_with_a_clear_error(tmp_path):
+    config = small_run_config(tmp_path, "diverge")
+    config.optimizer.learning_rate = 1e38
+    config.optimizer.grad_clip_norm = 0.0
+    with pytest.raises(FloatingPointError, match="loss is nan at step [0-9]+ \\(K=2\\)"):
+        Trainer(config, log=lambda *_: None).train(progress=False)
+    assert os.path.exists(os.path.join(config.workdir, "metrics.jsonl"))
