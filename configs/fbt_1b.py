@@ -21,6 +21,14 @@ def get_config():
     c.model.rope_theta = 500_000.0
     c.model.param_dtype = "float32"
     c.model.compute_dtype = "bfloat16"
+    c.model.scan_layers = True  # compile time flat in depth
+    c.model.remat = "save_matmuls_no_batch"  # keep weight-matmul outputs, recompute the rest
+    # A 64-chip slice: FSDP within groups of 8, data parallel across them. The dry run simulates
+    # the 64 devices on the CPU: fbt-train --config=configs/fbt_1b.py --config.dry_run=True
+    c.mesh.data = -1
+    c.mesh.fsdp = 8
+    c.mesh.tensor = 1
+    c.dry_run_devices = 64
     c.train.steps = 100_000  # 100k steps × 512 × 2048 tokens ≈ 100B tokens
     c.train.batch_size = 512
     c.train.log_every = 50

@@ -12,7 +12,9 @@ import ml_collections
 from fbt_jax.data import make_task
 from fbt_jax.errors import ConfigError
 from fbt_jax.feedback import FUSIONS
+from fbt_jax.model import REMAT_POLICIES
 from fbt_jax.schedule import DEFAULT_SCHEDULE, PassSchedule
+from fbt_jax.sharding import BATCH_AXIS, DEFAULT_RULES, MESH_AXES, mesh_shape, parse_rules
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -40,6 +42,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"
     c.model.compute_dtype = "float32"
     c.model.scale_logits = True
+    c.model.remat = "none"
+    c.model.scan_layers = False
 
     c.passes = ml_collections.ConfigDict()
     c.passes.schedule = DEFAULT_SCHEDULE
@@ -65,6 +69,26 @@ def default_config() -> ml_collections.ConfigDict:
     c.optimizer.weight_decay = 0.1
     c.optimizer.grad_clip_norm = 1.0
 
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1  # -1: fill the devices left over by the other axes
+    c.mesh.fsdp = 1
+    c.mesh.tensor = 1
+    c.mesh.dcn_data = 1  # across-slice (DCN) factors, for multi-slice TPU jobs
+    c.mesh.dcn_fsdp = 1
+    c.mesh.dcn_tensor = 1
+
+    c.sharding = ml_collections.ConfigDict()
+    c.sharding.rules = DEFAULT_RULES
+
+    c.distributed = ml_collections.ConfigDict()
+    c.distributed.mode = "auto"  # auto | always | never
+    c.distributed.coordinator_address = ""  # host:port of process 0, for explicit (e.g. local) launches
+    c.distributed.num_processes = 0
+    c.distributed.process_id = -1
+
+    c.dry_run = False
+    c.dry_run_devices = 0  # >0: simulate this many CPU devices for the dry run (a pod-sized mesh)
+
     c.eval = ml_collections.ConfigDict()
     c.eval.num_passes = (1, 2, 3)
     c.eval.fuse_from = 1
@@ -79,8 +103,20 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate_config(config: ml_collections.ConfigDict, num_devices: int = 1) -> PassSchedule:
-    """Check every field before any expensive work; returns the parsed pass schedule."""
+def _fixed_mesh_size(mesh: ml_collections.ConfigDict) -> int:
+    """A device count the mesh fits, for checks before the devices are known (-1 taken as 1)."""
+    size = 1
+    for a in MESH_AXES:
+        size *= max(int(mesh[a]), 1) * max(int(mesh[f"dcn_{a}"]), 1)
+    return size
+
+
+def validate_config(config: ml_collections.ConfigDict, num_devices: int | None = None) -> PassSchedule:
+    """Check every field before any expensive work; returns the parsed pass schedule.
+
+    With `num_devices` None the device-dependent checks (mesh sizes, batch divisibility) are
+    skipped: the command line runs them once the devices are known.
+    """
     _require(bool(config.workdir), "workdir is empty; set --config.workdir=<directory for outputs>")
     m, d, p, t, o, e = config.model, config.data, config.passes, config.train, config.optimizer, config.eval
 
@@ -105,6 +141,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int = 1) -> 
     for name in ("param_dtype", "compute_dtype"):
         _require(m[name] in DTYPES, f"model.{name}={m[name]!r} is unknown; use one of {DTYPES}")
     _require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be positive")
+    _require(m.remat in REMAT_POLICIES, f"model.remat={m.remat!r} is unknown; use one of {tuple(REMAT_POLICIES)}")
 
     task = make_task(config)
     _require(
@@ -118,9 +155,17 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int = 1) -> 
         isinstance(t.batch_size, int) and t.batch_size >= 1,
         f"train.batch_size={t.batch_size!r} must be a positive integer",
     )
+    rules = parse_rules(config.sharding.rules)
+    ici, dcn = mesh_shape(config.mesh, num_devices if num_devices is not None else _fixed_mesh_size(config.mesh))
+    axis_size = {a: i * d for a, i, d in zip(MESH_AXES, ici, dcn)}
+    dp = 1
+    for a in rules.get(BATCH_AXIS, ()):
+        dp *= axis_size[a]
+    batch_axes = "+".join(rules.get(BATCH_AXIS, ())) or "none"
     _require(
-        t.batch_size % num_devices == 0,
-        f"train.batch_size={t.batch_size} is not divisible by the {num_devices} devices; use a multiple of {num_devices}",
+        t.batch_size % dp == 0,
+        f"train.batch_size={t.batch_size} is not divisible by the data-parallel size {dp} (mesh axes {batch_axes}); "
+        f"use a multiple of {dp}",
     )
     _require(t.log_every >= 1, f"train.log_every={t.log_every} must be at least 1")
 
@@ -172,8 +217,12 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int = 1) -> 
     )
     _require(e.num_batches >= 0, f"eval.num_batches={e.num_batches} is negative; use 0 to skip evaluation")
     _require(
-        e.batch_size >= 1 and e.batch_size % num_devices == 0,
-        f"eval.batch_size={e.batch_size} must be a positive multiple of the {num_devices} devices",
+        e.batch_size >= 1 and e.batch_size % dp == 0,
+        f"eval.batch_size={e.batch_size} must be a positive multiple of the data-parallel size {dp}",
+    )
+    _require(
+        config.distributed.mode in ("auto", "always", "never"),
+        f"distributed.mode={config.distributed.mode!r} is unknown; use auto, always or never",
     )
     _require(e.every_steps >= 0, f"eval.every_steps={e.every_steps} is negative; use 0 for a final eval only")
     return schedule

@@ -39,7 +39,7 @@ class Fusion(nnx.Module):
         self.kind = kind
         self.compute_dtype = jnp.dtype(compute_dtype)
         std = dim**-0.5  # keeps W_U h at unit RMS, like e, for a final-normed h
-        axes = ("embed", "fusion")
+        axes = ("embed", "fusion")  # (AXIS_EMBED, AXIS_FUSION) in model.py
         init = lambda: std * jax.random.normal(rngs.params(), (dim, dim), param_dtype)  # noqa: E731
         self.state_proj_DD = nnx.Param(init(), out_sharding=axes, eager_sharding=False)  # W_U
         if kind == "glu":

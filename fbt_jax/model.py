@@ -37,6 +37,27 @@ AXIS_HEADS = "heads"
 AXIS_KV_HEADS = "kv_heads"
 AXIS_HEAD_DIM = "head_dim"
 AXIS_NORM = "norm"
+AXIS_FUSION = "fusion"
+AXIS_LAYERS = "layers"  # the stacked-layer axis of scanned blocks
+PARAM_AXES = (
+    AXIS_VOCAB,
+    AXIS_EMBED,
+    AXIS_MLP,
+    AXIS_HEADS,
+    AXIS_KV_HEADS,
+    AXIS_HEAD_DIM,
+    AXIS_NORM,
+    AXIS_FUSION,
+    AXIS_LAYERS,
+)
+
+# Rematerialisation policies for the blocks' backward pass (model.remat).
+REMAT_POLICIES = {
+    "none": None,  # keep every activation
+    "block": jax.checkpoint_policies.nothing_saveable,  # keep block inputs only, recompute the rest
+    "save_matmuls": jax.checkpoint_policies.dots_saveable,  # keep matmul outputs, recompute the cheap ops
+    "save_matmuls_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # weights·x only
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +76,8 @@ class ModelConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     scale_logits: bool = True
+    remat: str = "none"
+    scan_layers: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -185,13 +208,25 @@ class Block(nnx.Module):
 class FBTransformer(nnx.Module):
     """Decoder-only transformer with tied embeddings and a latent-feedback fusion."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, activation_sharding: Any = None):
         self.cfg = cfg
+        # Where (B, T, D) activations live between blocks (a NamedSharding, or None to let XLA pick).
+        self.activation_sharding = activation_sharding
         pdt = jnp.dtype(cfg.param_dtype)
         # Unit-variance embeddings: e_t has per-feature RMS ≈ 1, the same scale as the
         # final-normed state h that is fed back, so plain and fused inputs live in one space.
         self.embedding_VD = _param(_normal(rngs, (cfg.vocab_size, cfg.embed_dim), 1.0, pdt), (AXIS_VOCAB, AXIS_EMBED))
-        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+        if cfg.scan_layers:
+            # One Block whose parameters have a leading `layers` axis, applied with a scan: the
+            # compiled program holds one block body, so compile time stays flat in depth.
+            @nnx.split_rngs(splits=cfg.num_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: AXIS_LAYERS})
+            def stacked_blocks(rngs: nnx.Rngs) -> Block:
+                return Block(cfg, rngs)
+
+            self.blocks = stacked_blocks(rngs)
+        else:
+            self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pdt)
         self.fusion = Fusion(cfg.embed_dim, cfg.fusion, pdt, cfg.compute_dtype, rngs)
 
@@ -212,10 +247,25 @@ class FBTransformer(nnx.Module):
         if positions_BT is None:
             positions_BT = default_positions(u_BTD.shape[:2])
         mask_B1TT = attention_mask(positions_BT, segment_ids_BT)
-        x_BTD = u_BTD.astype(self.compute_dtype)
-        for block in self.blocks:
-            x_BTD = block(x_BTD, positions_BT, mask_B1TT)
+        x_BTD = self._constrain(u_BTD.astype(self.compute_dtype))
+        policy = REMAT_POLICIES[self.cfg.remat]
+        apply = _apply_block if self.cfg.remat == "none" else nnx.remat(_apply_block, policy=policy)
+        if self.cfg.scan_layers:
+
+            @nnx.scan(in_axes=(nnx.Carry, 0, None, None), out_axes=nnx.Carry)
+            def scan_blocks(x_BTD: jax.Array, block: Block, positions_BT: jax.Array, mask_B1TT: jax.Array):
+                return self._constrain(apply(block, x_BTD, positions_BT, mask_B1TT))
+
+            x_BTD = scan_blocks(x_BTD, self.blocks, positions_BT, mask_B1TT)
+        else:
+            for block in self.blocks:
+                x_BTD = self._constrain(apply(block, x_BTD, positions_BT, mask_B1TT))
         return self.final_norm(x_BTD)
+
+    def _constrain(self, x_BTD: jax.Array) -> jax.Array:
+        if self.activation_sharding is None:
+            return x_BTD
+        return jax.lax.with_sharding_constraint(x_BTD, self.activation_sharding)
 
     def logits(self, h_BTD: jax.Array) -> jax.Array:
         """Tied readout h · Eᵀ in (at least) fp32, optionally scaled by 1/√D since ‖h‖ ≈ √D."""
@@ -230,14 +280,20 @@ class FBTransformer(nnx.Module):
         return logits_BTV
 
 
-def build_model(cfg: ModelConfig, seed: int) -> FBTransformer:
-    return FBTransformer(cfg, nnx.Rngs(params=seed))
+def _apply_block(block: Block, x_BTD: jax.Array, positions_BT: jax.Array, mask_B1TT: jax.Array) -> jax.Array:
+    return block(x_BTD, positions_BT, mask_B1TT)
 
 
-def abstract_model(cfg: ModelConfig) -> FBTransformer:
+def build_model(cfg: ModelConfig, seed: int, activation_sharding: Any = None) -> FBTransformer:
+    return FBTransformer(cfg, nnx.Rngs(params=seed), activation_sharding)
+
+
+def abstract_model(cfg: ModelConfig, activation_sharding: Any = None) -> FBTransformer:
     """The model's structure and shapes without allocating weights (for big configs)."""
-    return nnx.eval_shape(lambda: build_model(cfg, 0))
+    return nnx.eval_shape(lambda: build_model(cfg, 0, activation_sharding))
 
 
-def count_params(model: FBTransformer) -> int:
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+def count_params(model_or_params: FBTransformer | nnx.State) -> int:
+    """Number of parameters of a model, or of a (possibly abstract) parameter state."""
+    tree = nnx.state(model_or_params, nnx.Param) if isinstance(model_or_params, nnx.Module) else model_or_params
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))

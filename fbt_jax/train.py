@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 import os
+import socket
 import sys
 import time
 from typing import Any
@@ -23,13 +24,13 @@ import numpy as np
 import optax
 from flax import nnx, struct
 
-from fbt_jax import sharding
+from fbt_jax import distributed, sharding
 from fbt_jax.config import validate_config
 from fbt_jax.data import WordProblem, make_task
 from fbt_jax.errors import ConfigError
 from fbt_jax.feedback import PassOptions, draw_fuse_from, kpass_forward, kpass_loss, token_nll
 from fbt_jax.metrics import MetricsWriter
-from fbt_jax.model import ModelConfig, build_model, count_params
+from fbt_jax.model import ModelConfig, abstract_model, build_model, count_params
 from fbt_jax.schedule import PassSchedule
 
 
@@ -149,39 +150,87 @@ def eval_step(
 
 
 class Trainer:
-    """Holds the compiled programs and runs the loop (thin: all math is in the pure steps)."""
+    """Holds the mesh, the shardings and the compiled programs, and runs the loop.
 
-    def __init__(self, config: ml_collections.ConfigDict, log: Any = print):
+    Thin on purpose: the math lives in the pure `train_step` / `eval_step`. Parameters and
+    optimizer state are created directly sharded by a jitted init (never whole on one device), and
+    every program is compiled ahead of time from abstract shapes, so `dry_run` needs no weights.
+    """
+
+    def __init__(self, config: ml_collections.ConfigDict, log: Any = print, devices: list | None = None):
         self.config = config
-        self.log = log
-        self.mesh = sharding.make_mesh()
-        self.schedule: PassSchedule = validate_config(config, num_devices=self.mesh.size)
+        self.log = log if jax.process_index() == 0 else (lambda *_: None)
+        devices = list(jax.devices() if devices is None else devices)
+        self.schedule: PassSchedule = validate_config(config, num_devices=len(devices))
+        self.rules = sharding.parse_rules(config.sharding.rules)
+        self.mesh = sharding.make_mesh(config.mesh, devices)
+        self.batch_sharding = sharding.batch_sharding(self.mesh, self.rules)
         self.task: WordProblem = make_task(config)
         self.model_cfg = ModelConfig.from_config(config.model)
         self.tx, self.lr_schedule = make_optimizer(config)
-        self.graphdef, self.state = self._init_state()
+        self.activation_sharding = sharding.activation_sharding(self.mesh, self.rules)
+        model = abstract_model(self.model_cfg, self.activation_sharding)
+        self.graphdef = nnx.split(model, nnx.Param)[0]
+        self.abstract_state = jax.eval_shape(self._init_state)
+        self.state_shardings = self._state_shardings()
+        self.state: TrainState | None = None
         self.train_programs: dict[int, Any] = {}
         self.eval_program: Any = None
+        self._rows: dict[int, np.ndarray] = {}
 
-    def _init_state(self) -> tuple[nnx.GraphDef, TrainState]:
-        model = build_model(self.model_cfg, self.config.seed)
-        graphdef, params = nnx.split(model, nnx.Param)
-        state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params))
-        return graphdef, jax.device_put(state, sharding.replicated(self.mesh))
+    def _init_state(self) -> TrainState:
+        model = build_model(self.model_cfg, self.config.seed, self.activation_sharding)
+        params = nnx.state(model, nnx.Param)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params))
 
-    def _local_batch(self, split: str, step: int, batch_size: int) -> dict[str, Any]:
-        indices = np.arange(step * batch_size, (step + 1) * batch_size)[sharding.process_rows(batch_size)]
-        return sharding.global_batch(self.task.examples(split, indices), self.mesh, batch_size)
+    def _state_shardings(self) -> TrainState:
+        params = sharding.param_shardings(self.abstract_state.params, self.mesh, self.rules)
+        replicated = sharding.replicated(self.mesh)
+        opt_state = optax.tree_map_params(
+            self.tx,
+            lambda _, param_sharding: param_sharding,
+            self.abstract_state.opt_state,
+            params,
+            transform_non_params=lambda _: replicated,
+            is_leaf=lambda x: isinstance(x, nnx.Variable),
+        )
+        return TrainState(step=replicated, params=params, opt_state=opt_state)
 
-    def compile(self) -> dict[str, float]:
-        """Compile the train program of every K the schedule can draw, and the eval program."""
-        times = {}
-        state_sh = sharding.replicated(self.mesh)
-        batch_sh = sharding.batch_sharding(self.mesh)
+    def init_state(self) -> None:
+        """Allocate the train state, each device creating only its own shards."""
+        self.state = jax.jit(self._init_state, out_shardings=self.state_shardings)()
+
+    def _abstract(self, tree: Any, shardings: Any) -> Any:
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+    def _abstract_batch(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+        shape = (batch_size, self.config.data.seq_len)
+        dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "weights": jnp.float32}
+        return {k: jax.ShapeDtypeStruct(shape, dt, sharding=self.batch_sharding) for k, dt in dtypes.items()}
+
+    def batch(self, split: str, step: int, batch_size: int) -> dict[str, jax.Array]:
+        """The global batch for `step`; this process loads only the rows its devices hold."""
+        if batch_size not in self._rows:
+            self._rows[batch_size] = sharding.process_rows(self.batch_sharding, batch_size)
+        indices = step * batch_size + self._rows[batch_size]
+        return sharding.global_batch(self.task.examples(split, indices), self.batch_sharding, batch_size)
+
+    def process_rows(self, batch_size: int) -> list[int]:
+        """Which rows of each global batch this process loads (for logs and tests)."""
+        return sharding.process_rows(self.batch_sharding, batch_size).tolist()
+
+    def compile(self) -> dict[str, dict[str, float]]:
+        """Compile the train program of every K the schedule can draw, and the eval program.
+
+        Returns per program its compile time and, where the backend reports it, the per-device
+        memory of the compiled program.
+        """
+        report: dict[str, dict[str, float]] = {}
+        abstract_state = self._abstract(self.abstract_state, self.state_shardings)
+        replicated = sharding.replicated(self.mesh)
         settings = step_settings(self.config)
-        batch = self._local_batch("train", 0, self.config.train.batch_size)
         for k in self.schedule.pass_counts:
-            fn = functools.partial(
+            step_fn = functools.partial(
                 train_step,
                 graphdef=self.graphdef,
                 tx=self.tx,
@@ -190,32 +239,35 @@ class Trainer:
                 num_passes=k,
             )
             jitted = jax.jit(
-                fn, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, state_sh), donate_argnums=0
+                step_fn,
+                in_shardings=(self.state_shardings, self.batch_sharding),
+                out_shardings=(self.state_shardings, replicated),
+                donate_argnums=0,
             )
-            start = time.perf_counter()
-            self.train_programs[k] = jitted.lower(self.state, batch).compile()
-            times[f"train_K{k}"] = time.perf_counter() - start
-            self.log(f"compiled train step K={k} in {times[f'train_K{k}']:.1f}s")
-        if self.config.eval.num_batches > 0:
-            e = self.config.eval
-            fn = functools.partial(
+            self.train_programs[k], report[f"train_K{k}"] = _compile(
+                jitted, abstract_state, self._abstract_batch(self.config.train.batch_size)
+            )
+            self.log(f"compiled train step K={k}: {_describe(report[f'train_K{k}'])}")
+        e = self.config.eval
+        if e.num_batches > 0:
+            eval_fn = functools.partial(
                 eval_step, graphdef=self.graphdef, num_passes=max(e.num_passes), fuse_from=e.fuse_from
             )
-            jitted = jax.jit(fn, in_shardings=(state_sh, batch_sh), out_shardings=state_sh)
-            start = time.perf_counter()
-            self.eval_program = jitted.lower(
-                self.state.params, self._local_batch("validation", 0, e.batch_size)
-            ).compile()
-            times["eval"] = time.perf_counter() - start
-            self.log(f"compiled eval (K up to {max(e.num_passes)}) in {times['eval']:.1f}s")
-        return times
+            jitted = jax.jit(
+                eval_fn, in_shardings=(self.state_shardings.params, self.batch_sharding), out_shardings=replicated
+            )
+            self.eval_program, report["eval"] = _compile(
+                jitted, abstract_state.params, self._abstract_batch(e.batch_size)
+            )
+            self.log(f"compiled eval (K up to {max(e.num_passes)}): {_describe(report['eval'])}")
+        return report
 
     def evaluate(self) -> dict[str, float]:
         """Held-out loss and token accuracy for each K in eval.num_passes."""
         e = self.config.eval
         totals: dict[str, float] = {}
         for i in range(e.num_batches):
-            out = jax.device_get(self.eval_program(self.state.params, self._local_batch("validation", i, e.batch_size)))
+            out = jax.device_get(self.eval_program(self.state.params, self.batch("validation", i, e.batch_size)))
             for key, value in out.items():
                 totals[key] = totals.get(key, 0.0) + float(value)
         results = {}
@@ -227,26 +279,35 @@ class Trainer:
     def train(self, progress: bool = True) -> dict[str, Any]:
         cfg = self.config
         workdir = cfg.workdir
-        os.makedirs(workdir, exist_ok=True)
-        _set_aside_previous_outputs(workdir, self.log)
+        steps, batch_size, seq_len = cfg.train.steps, cfg.train.batch_size, cfg.data.seq_len
+        distributed.check_schedule_agreement(self.schedule, 0, steps)
         if jax.process_index() == 0:
+            os.makedirs(workdir, exist_ok=True)
+            _set_aside_previous_outputs(workdir, self.log)
             with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
                 f.write(cfg.to_json_best_effort(indent=2))
+        _write_process_info(self, workdir)
         self.log(
-            f"model: {count_params(nnx.merge(self.graphdef, self.state.params)):,} parameters; devices: {self.mesh.size}"
+            f"model: {count_params(self.abstract_state.params):,} parameters; mesh "
+            + " × ".join(f"{a}={n}" for a, n in self.mesh.shape.items())
+            + f" over {self.mesh.size} devices in {jax.process_count()} process(es)"
         )
-        self.log(self.schedule.describe(cfg.train.steps))
-        compile_times = self.compile()
+        self.log(self.schedule.describe(steps))
+        compile_report = self.compile()
+        self.init_state()
         writer = MetricsWriter(workdir)
-        steps, batch_size, seq_len = cfg.train.steps, cfg.train.batch_size, cfg.data.seq_len
         bar = _progress_bar(steps, enabled=progress and jax.process_index() == 0)
         start_time = interval_start = time.perf_counter()
         interval_steps = 0
         eval_results: dict[str, float] = {}
+        previous_k = None
         try:
             for step in range(steps):
                 k = self.schedule.num_passes(step)
-                self.state, metrics = self.train_programs[k](self.state, self._local_batch("train", step, batch_size))
+                if k != previous_k:
+                    distributed.check_step_agreement(step, k)
+                    previous_k = k
+                self.state, metrics = self.train_programs[k](self.state, self.batch("train", step, batch_size))
                 interval_steps += 1
                 bar.update(1)
                 last = step + 1 == steps
@@ -270,11 +331,10 @@ class Trainer:
         finally:
             bar.close()
             writer.close()
-        elapsed = time.perf_counter() - start_time
         summary = {
             "steps": steps,
-            "train_seconds": elapsed,
-            "compile_seconds": compile_times,
+            "train_seconds": time.perf_counter() - start_time,
+            "compile": compile_report,
             "eval": eval_results,
             "realised_mixture": self.schedule.realised_mixture(0, steps),
             "outputs": {
@@ -289,6 +349,44 @@ class Trainer:
             with open(os.path.join(workdir, "summary.json"), "w", encoding="utf-8") as f:
                 json.dump(summary, f, indent=2)
         return summary
+
+
+def _compile(jitted: Any, *abstract_args: Any) -> tuple[Any, dict[str, float]]:
+    start = time.perf_counter()
+    compiled = jitted.lower(*abstract_args).compile()
+    report = {"compile_seconds": time.perf_counter() - start}
+    memory = compiled.memory_analysis()
+    if memory is not None:
+        report["device_bytes"] = float(
+            memory.argument_size_in_bytes
+            + memory.output_size_in_bytes
+            - memory.alias_size_in_bytes
+            + memory.temp_size_in_bytes
+        )
+        report["temp_bytes"] = float(memory.temp_size_in_bytes)
+    return compiled, report
+
+
+def _describe(report: dict[str, float]) -> str:
+    text = f"compiled in {report['compile_seconds']:.1f}s"
+    if "device_bytes" in report:
+        text += f", per-device memory {report['device_bytes'] / 2**20:,.1f} MiB (temporaries {report['temp_bytes'] / 2**20:,.1f} MiB)"
+    return text
+
+
+def _write_process_info(trainer: Trainer, workdir: str) -> None:
+    """Each process records where it runs and which rows of every batch it loads."""
+    directory = os.path.join(workdir, "processes")
+    os.makedirs(directory, exist_ok=True)
+    info = {
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "hostname": socket.gethostname(),
+        "local_devices": [str(d) for d in jax.local_devices()],
+        "train_rows": trainer.process_rows(trainer.config.train.batch_size),
+    }
+    with open(os.path.join(directory, f"process_{jax.process_index()}.json"), "w", encoding="utf-8") as f:
+        json.dump(info, f, indent=2)
 
 
 def _set_aside_previous_outputs(workdir: str, log: Any) -> None:
@@ -335,17 +433,28 @@ def main(argv: list[str]) -> None:
         logging.set_verbosity(logging.WARNING)
     config = flags.FLAGS.config
     try:
+        validate_config(config)  # everything that does not depend on the devices, before any set-up
+        if config.dry_run:
+            from fbt_jax.dry_run import dry_run
+
+            print(dry_run(config))
+            return
+        distributed.initialize(config.distributed)
         trainer = Trainer(config)
-    except ConfigError as err:
-        print(f"fbt-train: config error: {err}", file=sys.stderr)
-        sys.exit(2)
-    try:
         summary = trainer.train()
+    except ConfigError as err:
+        _fail(f"config error: {err}", 2)
     except FloatingPointError as err:
-        print(f"fbt-train: training diverged: {err}", file=sys.stderr)
-        sys.exit(3)
+        _fail(f"training diverged: {err}", 3)
+    except distributed.ProcessMismatchError as err:
+        _fail(f"processes disagree: {err}", 4)
     if jax.process_index() == 0:
         print(format_summary(summary))
+
+
+def _fail(message: str, code: int) -> None:
+    print(f"fbt-train: {message}", file=sys.stderr)
+    sys.exit(code)
 
 
 def cli() -> None:

@@ -1,7 +1,9 @@
 import os
 
-# Tests run on the CPU; keep XLA from grabbing every core for one compile.
+# Tests run on the CPU with 8 simulated devices, so that meshes can be tested on one machine
+# (single-device references pass `devices=jax.devices()[:1]`).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import pytest  # noqa: E402
 
