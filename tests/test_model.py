@@ -90,3 +90,49 @@ def test_attention_mask_is_causal_and_segmented():
     positions = jnp.arange(4)[None]
     mask = model_lib.attention_mask(positions, jnp.array([[1, 1, 2, 2]]))[0, 0]
     assert np.array_equal(np.asarray(mask), np.array([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]], bool))
+
+
+def _stacked(pure):
+    """An unscanned model's parameters (pure dict) in the scanned layout: blocks stacked on axis 0."""
+    blocks = pure["blocks"]
+    return {**pure, "blocks": jax.tree.map(lambda *layers: jnp.stack(layers), *[blocks[i] for i in sorted(blocks)])}
+
+
+def _loss_and_grads(model, tokens, p_B):
+    from fbt_jax.feedback import kpass_loss
+
+    graphdef, params = nnx.split(model, nnx.Param)
+    batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, 1), "weights": jnp.ones(tokens.shape)}
+
+    def loss_fn(params):
+        return kpass_loss(nnx.merge(graphdef, params), batch, p_B, 3)[0]
+
+    return jax.jit(jax.value_and_grad(loss_fn))(params)
+
+
+def test_scanned_layers_and_remat_policies_compute_the_same_function():
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 8), 0, 16)
+    p_B = jnp.array([1, 3])
+    plain = build_model(small_model_config(num_layers=3), seed=0)
+    loss, grads = _loss_and_grads(plain, tokens, p_B)
+    plain_params = nnx.to_pure_dict(nnx.state(plain, nnx.Param))
+    for remat in model_lib.REMAT_POLICIES:
+        for scan in (False, True):
+            other = build_model(small_model_config(num_layers=3, remat=remat, scan_layers=scan), seed=0)
+            expected_grads = nnx.to_pure_dict(grads)
+            if scan:
+                state = nnx.state(other, nnx.Param)
+                nnx.replace_by_pure_dict(state, _stacked(plain_params))
+                nnx.update(other, state)
+                expected_grads = _stacked(expected_grads)
+            other_loss, other_grads = _loss_and_grads(other, tokens, p_B)
+            assert abs(float(other_loss - loss)) <= 1e-6, (remat, scan)
+            flat, ref = jax.tree.leaves(nnx.to_pure_dict(other_grads)), jax.tree.leaves(expected_grads)
+            assert len(flat) == len(ref)
+            assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(flat, ref)) <= 1e-5, (remat, scan)
+
+
+def test_scanned_blocks_carry_the_layers_axis_name():
+    model = build_model(small_model_config(num_layers=3, scan_layers=True), seed=0)
+    up = nnx.state(model, nnx.Param)["blocks"]["mlp"]["up_DF"]
+    assert up.get_metadata()["out_sharding"] == ("layers", "embed", "mlp")

@@ -1,0 +1,100 @@
+"""Several local processes (jax.distributed over localhost, CPU collectives) act as one job."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_config import ROOT
+
+STEPS = 12
+ARGS = [
+    "--config=configs/tiny.py",
+    f"--config.train.steps={STEPS}",
+    "--config.train.log_every=1",
+    "--config.optimizer.warmup_steps=1",
+    "--config.passes.schedule=0:1=0.5,2=0.5",
+    "--config.eval.num_batches=2",
+]
+
+
+def cpu_env(devices):
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return env
+
+
+def metrics(workdir):
+    return [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("mp") / "two")
+    result = subprocess.run(
+        ["bash", "launch/local.sh", "--devices-per-process", "2", "2", *ARGS, f"--config.workdir={workdir}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=cpu_env(2),
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return workdir, result
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("mp") / "one")
+    result = subprocess.run(
+        [sys.executable, "-m", "fbt_jax.train", *ARGS, f"--config.workdir={workdir}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=cpu_env(4),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return workdir
+
+
+def test_two_processes_match_one_process_with_the_same_devices(two_process_run, one_process_run):
+    two, one = metrics(two_process_run[0]), metrics(one_process_run)
+    assert [r["step"] for r in two] == list(range(1, STEPS + 1))
+    assert [r["num_passes"] for r in two] == [r["num_passes"] for r in one]
+    np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=2e-5)
+    ev_two = json.loads(open(os.path.join(two_process_run[0], "eval.jsonl")).readlines()[-1])
+    ev_one = json.loads(open(os.path.join(one_process_run, "eval.jsonl")).readlines()[-1])
+    for key in ("loss_K1", "loss_K2", "loss_K3"):
+        assert ev_two[key] == pytest.approx(ev_one[key], rel=2e-5)
+    assert "in 2 process(es)" in two_process_run[1].stdout
+
+
+def test_each_process_loads_a_disjoint_slice_and_together_the_global_batch(two_process_run):
+    workdir, _ = two_process_run
+    infos = [json.load(open(os.path.join(workdir, "processes", f"process_{i}.json"))) for i in range(2)]
+    rows = [set(info["train_rows"]) for info in infos]
+    assert [info["process_count"] for info in infos] == [2, 2]
+    assert rows[0] and rows[1] and not rows[0] & rows[1]
+    assert rows[0] | rows[1] == set(range(32))  # tiny's global batch
+
+
+def test_processes_that_would_draw_different_passes_fail_instead_of_hanging(tmp_path):
+    port = subprocess.run(
+        [sys.executable, "-c", "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable, "-m", "fbt_jax.train", *ARGS,
+                f"--config.workdir={tmp_path / 'mismatch'}",
+                f"--config.seed={seed}",
+                f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+                "--config.distributed.num_processes=2",
+                f"--config.distributed.process_id={i}",
+            ],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cpu_env(2),
+        )
+        for i, seed in enumerate((0, 1))
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for proc, (_, err) in zip(procs, outputs):
+        assert proc.returncode == 4, err[-2000:]
+        assert "fbt-train: processes disagree: processes would draw different pass counts K" in err
+        assert "same seed and passes.schedule" in err
