@@ -16,7 +16,8 @@ from fbt_jax.model import REMAT_POLICIES
 from fbt_jax.schedule import DEFAULT_SCHEDULE, PassSchedule
 from fbt_jax.sharding import BATCH_AXIS, DEFAULT_RULES, MESH_AXES, mesh_shape, parse_rules
 
-DTYPES = ("float32", "bfloat16", "float16")
+# float16 is left out on purpose: it needs loss scaling, which the trainer does not do.
+DTYPES = ("float32", "bfloat16")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -95,6 +96,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.eval.batch_size = 64
     c.eval.num_batches = 4
     c.eval.every_steps = 0
+    # Locked: a misspelt field in a config file (c.train.step = 5) is an error, not a new field.
+    c.lock()
     return c
 
 
@@ -118,6 +121,10 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     skipped: the command line runs them once the devices are known.
     """
     _require(bool(config.workdir), "workdir is empty; set --config.workdir=<directory for outputs>")
+    _require(
+        isinstance(config.seed, int) and 0 <= config.seed < 2**31,
+        f"seed={config.seed!r} must be an integer in [0, 2**31)",
+    )
     m, d, p, t, o, e = config.model, config.data, config.passes, config.train, config.optimizer, config.eval
 
     for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
@@ -141,6 +148,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     for name in ("param_dtype", "compute_dtype"):
         _require(m[name] in DTYPES, f"model.{name}={m[name]!r} is unknown; use one of {DTYPES}")
     _require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be positive")
+    _require(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be positive")
     _require(m.remat in REMAT_POLICIES, f"model.remat={m.remat!r} is unknown; use one of {tuple(REMAT_POLICIES)}")
 
     task = make_task(config)
@@ -178,7 +186,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
         f"fuse-from range passes.fuse_from_min..fuse_from_max = {p.fuse_from_min}..{p.fuse_from_max} is outside the "
         f"sequence; it must satisfy 1 <= min <= max <= data.seq_len-1 = {last}",
     )
-    max_k = max(schedule.pass_counts + tuple(e.num_passes))
+    max_k = max(schedule.pass_counts)  # loss weights matter in training only
     if p.loss_weights:
         weights = tuple(float(w) for w in p.loss_weights)
         _require(
@@ -206,11 +214,14 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
         o.grad_clip_norm >= 0, f"optimizer.grad_clip_norm={o.grad_clip_norm} is negative; use 0 to turn clipping off"
     )
     _require(o.weight_decay >= 0, f"optimizer.weight_decay={o.weight_decay} is negative")
+    for name in ("b1", "b2"):
+        _require(0.0 <= o[name] < 1.0, f"optimizer.{name}={o[name]} must be in [0, 1)")
+    _require(o.eps > 0, f"optimizer.eps={o.eps} must be positive")
 
     _require(len(e.num_passes) >= 1, "eval.num_passes is empty; list the pass counts to evaluate, e.g. (1, 2, 3)")
     _require(
-        all(int(k) >= 1 for k in e.num_passes),
-        f"eval.num_passes={tuple(e.num_passes)} has a K below 1; every K must be >= 1",
+        all(isinstance(k, int) and k >= 1 for k in e.num_passes),
+        f"eval.num_passes={tuple(e.num_passes)} must list integers K >= 1, e.g. (1, 2, 3)",
     )
     _require(
         1 <= e.fuse_from <= last, f"eval.fuse_from={e.fuse_from} is outside the sequence; use 1..data.seq_len-1={last}"

@@ -90,6 +90,8 @@ class PassOptions:
     loss_weights: tuple[float, ...] = ()  # w_k per pass; () means all ones
 
     def pass_weights(self, num_passes: int) -> jax.Array:
+        if self.loss_weights and len(self.loss_weights) < num_passes:
+            raise ValueError(f"passes.loss_weights has {len(self.loss_weights)} entries, fewer than K={num_passes}")
         w = self.loss_weights[:num_passes] if self.loss_weights else (1.0,) * num_passes
         w = jnp.asarray(w, jnp.float32)
         return w / jnp.sum(w)
@@ -110,6 +112,10 @@ def kpass_forward(
     `num_passes` is a static Python int: the passes are an unrolled loop, so each K is its own
     compiled program (XLA then schedules each pass's matmuls like any other layer).
     """
+    if num_passes < 1:
+        raise ValueError(f"num_passes={num_passes}: every forward runs at least one pass")
+    if options.noise_std > 0.0 and noise_rng is None:
+        raise ValueError("noise_std > 0 needs a noise_rng (noise is for training; pass noise_std=0 to evaluate)")
     if positions_BT is None:
         positions_BT = default_positions(tokens_BT.shape)
     e_BTD = model.embed(tokens_BT)
@@ -117,7 +123,7 @@ def kpass_forward(
     states = [h_BTD]
     for k in range(1, num_passes):
         carried_BTD = jax.lax.stop_gradient(h_BTD) if options.stop_gradient else h_BTD
-        if options.noise_std > 0.0 and noise_rng is not None:
+        if options.noise_std > 0.0:
             noise = jax.random.normal(jax.random.fold_in(noise_rng, k), carried_BTD.shape, jnp.float32)
             carried_BTD = carried_BTD + (options.noise_std * noise).astype(carried_BTD.dtype)
         u_BTD = feedback_inputs(model, e_BTD, carried_BTD, fuse_from_B, positions_BT)
@@ -130,9 +136,13 @@ def token_nll(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: jax.Arra
     """Summed weighted cross-entropy and summed weight (fp32), for exact means over batches."""
     acc = jnp.promote_types(logits_BTV.dtype, jnp.float32)
     logprobs_BTV = jax.nn.log_softmax(logits_BTV.astype(acc), axis=-1)
-    nll_BT = -jnp.take_along_axis(logprobs_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    counted_BT = weights_BT > 0
+    # Masked targets may hold any filler (e.g. -100): gather a valid index there, then drop it,
+    # since an out-of-range gather gives NaN and NaN × 0 is still NaN.
+    safe_targets_BT = jnp.where(counted_BT, targets_BT, 0)
+    nll_BT = -jnp.take_along_axis(logprobs_BTV, safe_targets_BT[..., None], axis=-1)[..., 0]
     weights_BT = weights_BT.astype(acc)
-    return jnp.sum(nll_BT * weights_BT), jnp.sum(weights_BT)
+    return jnp.sum(jnp.where(counted_BT, nll_BT * weights_BT, 0.0)), jnp.sum(weights_BT)
 
 
 def token_loss(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array) -> jax.Array:
@@ -184,6 +194,7 @@ def sequential_feedback(
     tokens_BT: jax.Array,
     fuse_from_B: jax.Array,
     positions_BT: jax.Array | None = None,
+    segment_ids_BT: jax.Array | None = None,
 ) -> jax.Array:
     """Ground truth (method §4): the latent-feedback recurrence, one position at a time.
 
@@ -199,7 +210,7 @@ def sequential_feedback(
     u0_BTD = e_BTD.astype(model.fusion.compute_dtype)
 
     def decide_input(t: jax.Array, u_BTD: jax.Array) -> jax.Array:
-        h_BTD = model.stack(u_BTD, positions_BT)
+        h_BTD = model.stack(u_BTD, positions_BT, segment_ids_BT)
         e_t = jax.lax.dynamic_index_in_dim(e_BTD, t, axis=1)  # (B, 1, D)
         h_prev = jax.lax.dynamic_index_in_dim(h_BTD, t - 1, axis=1)
         fused_t = model.fusion(e_t, h_prev)
@@ -208,4 +219,4 @@ def sequential_feedback(
         return jax.lax.dynamic_update_index_in_dim(u_BTD, u_t, t, axis=1)
 
     u_BTD = jax.lax.fori_loop(1, tokens_BT.shape[1], decide_input, u0_BTD)
-    return model.stack(u_BTD, positions_BT)
+    return model.stack(u_BTD, positions_BT, segment_ids_BT)

@@ -5,8 +5,8 @@ string, easy to override from the command line and to sweep:
 
     "0.0:1=1.0; 0.75:2=0.88,3=0.12"     (the default: ≈ 75% K=1, 22% K=2, 3% K=3 overall)
 
-Phases are separated by ';'. A start with a decimal point is a fraction of `train.steps`; an
-integer is a step. `K` alone means `K=1.0`. The first phase must start at 0.
+Phases are separated by ';'. A start with a decimal point is a fraction of `train.steps` (floored
+to a step); an integer is a step. `K` alone means `K=1.0`. The first phase must start at 0.
 
 K for step s is a pure function of (seed, s): a keyed hash, not a stateful RNG, so every host and
 every restart draws the same K without communicating, whatever else happened before step s.
@@ -54,6 +54,11 @@ class PassSchedule:
                     f"{field}: phase {text!r} lacks 'start:'; write phases as 'START:K=P,K=P', e.g. {DEFAULT_SCHEDULE!r}"
                 )
             phases.append(Phase(_parse_start(start_text.strip(), total_steps, field), _parse_mixture(mix_text, field)))
+        if phases[-1].start_step >= total_steps and len(phases) > 1:
+            raise ConfigError(
+                f"{field}: a phase starts at step {phases[-1].start_step}, at or after train.steps={total_steps}, so "
+                "it would never run; start it earlier or train longer"
+            )
         if phases[0].start_step != 0:
             raise ConfigError(
                 f"{field}: the first phase starts at step {phases[0].start_step}; it must start at 0 (write '0.0:...')"
@@ -61,8 +66,9 @@ class PassSchedule:
         for prev, nxt in zip(phases, phases[1:]):
             if nxt.start_step <= prev.start_step:
                 raise ConfigError(
-                    f"{field}: phase starts must increase, got step {nxt.start_step} after {prev.start_step}; "
-                    "order the phases by start"
+                    f"{field}: phase starts must increase, got step {nxt.start_step} after {prev.start_step} "
+                    f"(fractions are floored to steps of train.steps={total_steps}); order the phases by start "
+                    "and keep them at least one step apart"
                 )
         return cls(tuple(phases), seed)
 
@@ -144,7 +150,7 @@ def _parse_start(text: str, total_steps: int, field: str) -> int:
             raise ConfigError(
                 f"{field}: phase start {text} is a fraction of the run and must lie in [0, 1); use a step number for absolute starts"
             )
-        return int(round(value * total_steps))
+        return int(value * total_steps)  # floored, so a fraction never lands past the run
     if value < 0:
         raise ConfigError(f"{field}: phase start {value} is negative; steps count from 0")
     return value

@@ -282,7 +282,12 @@ class Trainer:
         steps, batch_size, seq_len = cfg.train.steps, cfg.train.batch_size, cfg.data.seq_len
         distributed.check_schedule_agreement(self.schedule, 0, steps)
         if jax.process_index() == 0:
-            os.makedirs(workdir, exist_ok=True)
+            try:
+                os.makedirs(workdir, exist_ok=True)
+            except OSError as err:
+                raise ConfigError(
+                    f"workdir={workdir!r} cannot be created ({err}); choose a writable directory"
+                ) from None
             _set_aside_previous_outputs(workdir, self.log)
             with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
                 f.write(cfg.to_json_best_effort(indent=2))
@@ -298,9 +303,10 @@ class Trainer:
         writer = MetricsWriter(workdir)
         bar = _progress_bar(steps, enabled=progress and jax.process_index() == 0)
         start_time = interval_start = time.perf_counter()
-        interval_steps = 0
         eval_results: dict[str, float] = {}
         previous_k = None
+        pending: list[tuple[int, dict[str, jax.Array]]] = []  # (K, device metrics) since the last log
+        shown = ""
         try:
             for step in range(steps):
                 k = self.schedule.num_passes(step)
@@ -308,26 +314,30 @@ class Trainer:
                     distributed.check_step_agreement(step, k)
                     previous_k = k
                 self.state, metrics = self.train_programs[k](self.state, self.batch("train", step, batch_size))
-                interval_steps += 1
+                pending.append((k, metrics))
                 bar.update(1)
+                bar.set_postfix_str(f"K={k}{shown}", refresh=False)
                 last = step + 1 == steps
                 if (step + 1) % cfg.train.log_every == 0 or last:
-                    metrics = {key: float(v) for key, v in jax.device_get(metrics).items()}
+                    record = interval_metrics(jax.device_get(pending))  # one transfer per interval
                     now = time.perf_counter()
-                    tokens_per_second = interval_steps * batch_size * seq_len / (now - interval_start)
-                    interval_start, interval_steps = now, 0
-                    writer.write(step + 1, {"num_passes": k, **metrics, "tokens_per_second": tokens_per_second})
-                    bar.set_postfix(loss=f"{metrics['loss']:.3f}", K=k, tok_s=f"{tokens_per_second:,.0f}")
-                    if not np.isfinite(metrics["loss"]):
+                    record["tokens_per_second"] = len(pending) * batch_size * seq_len / (now - interval_start)
+                    pending = []
+                    writer.write(step + 1, record)
+                    shown = f", loss={record['loss']:.3f}, tok/s={record['tokens_per_second']:,.0f}"
+                    if not np.isfinite(record["loss"]):
                         raise FloatingPointError(
-                            f"loss is {metrics['loss']} at step {step + 1} (K={k}); the metrics so far are in "
+                            f"loss is {record['loss']} at step {step + 1} (K={k}); the metrics so far are in "
                             f"{writer.paths['train']}. Lower optimizer.learning_rate or set optimizer.grad_clip_norm"
                         )
+                    interval_start = time.perf_counter()
                 if self.eval_program is not None and (
                     last or (cfg.eval.every_steps and (step + 1) % cfg.eval.every_steps == 0)
                 ):
+                    eval_start = time.perf_counter()
                     eval_results = self.evaluate()
                     writer.write(step + 1, eval_results, stream="eval")
+                    interval_start += time.perf_counter() - eval_start  # tokens/s counts training only
         finally:
             bar.close()
             writer.close()
@@ -349,6 +359,22 @@ class Trainer:
             with open(os.path.join(workdir, "summary.json"), "w", encoding="utf-8") as f:
                 json.dump(summary, f, indent=2)
         return summary
+
+
+def interval_metrics(pending: list[tuple[int, dict[str, Any]]]) -> dict[str, float]:
+    """One metrics line for a logging interval of (K, metrics) per step.
+
+    Values are means over the interval's steps; a per-pass loss `loss_pass_k` averages the steps
+    that ran at least k passes. `num_passes` and `learning_rate` are those of the last step, and
+    `mean_num_passes` is the interval's mean K.
+    """
+    out: dict[str, float] = {}
+    for key in sorted({key for _, metrics in pending for key in metrics}):
+        values = [float(metrics[key]) for _, metrics in pending if key in metrics]
+        out[key] = values[-1] if key == "learning_rate" else float(np.mean(values))
+    out["num_passes"] = pending[-1][0]
+    out["mean_num_passes"] = float(np.mean([k for k, _ in pending]))
+    return out
 
 
 def _compile(jitted: Any, *abstract_args: Any) -> tuple[Any, dict[str, float]]:
@@ -394,7 +420,7 @@ def _set_aside_previous_outputs(workdir: str, log: Any) -> None:
     if jax.process_index() != 0:
         return
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    for name in ("metrics.jsonl", "eval.jsonl", "summary.json", "tensorboard"):
+    for name in ("metrics.jsonl", "eval.jsonl", "summary.json", "config.json", "tensorboard"):
         path = os.path.join(workdir, name)
         if os.path.exists(path):
             os.rename(path, os.path.join(workdir, f"previous-{stamp}-{name}"))
@@ -463,7 +489,21 @@ def cli() -> None:
 
     config_flags.DEFINE_config_file("config", None, "Path to a config file in configs/, e.g. configs/tiny.py.")
     flags.mark_flags_as_required(["config"])
-    app.run(main)
+
+    def parse_flags(argv: list[str]) -> list[str]:
+        # Flag and config-file problems (a misspelt field, a missing file, a value of the wrong
+        # type) surface here as assorted exceptions with multi-line messages: report one line.
+        try:
+            rest = flags.FLAGS(argv)
+            flags.FLAGS.config.keys()  # the config file loads lazily: surface its errors here
+            return rest
+        except (flags.Error, AttributeError, KeyError, OSError, TypeError, ValueError) as err:
+            text = str(err).encode().decode("unicode_escape", errors="replace")
+            if isinstance(err, (AttributeError, KeyError)):
+                _fail(f"unknown config field {' '.join(text.replace(chr(39), '').split())}", 2)
+            _fail(f"bad flags: {' '.join(text.split())}", 2)
+
+    app.run(main, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

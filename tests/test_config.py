@@ -62,7 +62,13 @@ BAD = [
     ({"train.steps": 0}, "train.steps=0 must be a positive integer"),
     ({"optimizer.warmup_steps": 10_000}, "optimizer.warmup_steps=10000 must be in [0, train.steps=3000)"),
     ({"optimizer.learning_rate": 0.0}, "optimizer.learning_rate=0.0 must be positive"),
-    ({"eval.num_passes": (0, 1)}, "eval.num_passes=(0, 1) has a K below 1"),
+    ({"eval.num_passes": (0, 1)}, "eval.num_passes=(0, 1) must list integers K >= 1"),
+    ({"eval.num_passes": (1, 2.5)}, "eval.num_passes=(1, 2.5) must list integers K >= 1"),
+    ({"seed": -1}, "seed=-1 must be an integer in [0, 2**31)"),
+    ({"model.norm_eps": -1.0}, "model.norm_eps=-1.0 must be positive"),
+    ({"optimizer.b2": 1.5}, "optimizer.b2=1.5 must be in [0, 1)"),
+    ({"model.param_dtype": "float16"}, "model.param_dtype='float16' is unknown"),
+    ({"passes.schedule": "0:1; 5000:2"}, "at or after train.steps=3000"),
     ({"eval.fuse_from": 20}, "eval.fuse_from=20 is outside the sequence"),
     ({"data.group": "Q8"}, "data.group='Q8' is unknown"),
     ({"data.task": "copy"}, "data.task='copy' is unknown"),
@@ -85,8 +91,30 @@ def test_bad_config_gives_one_clear_line(overrides, message):
 def test_batch_must_divide_over_devices():
     config = load_config("tiny")
     config.train.batch_size = 12
-    with pytest.raises(ConfigError, match="train.batch_size=12 is not divisible by the 8 devices"):
+    with pytest.raises(ConfigError, match="train.batch_size=12 is not divisible by the data-parallel size 8"):
         validate_config(config, num_devices=8)
+
+
+def test_config_files_cannot_add_misspelt_fields():
+    config = load_config("tiny")
+    with pytest.raises(AttributeError, match="embed_dims"):
+        config.model.embed_dims = 128
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--config=configs/tiny.py", "--config.train.step=5"], "Did you mean"),
+        (["--config=configs/nope.py"], "configs/nope.py"),
+    ],
+)
+def test_cli_flag_errors_are_one_line(args, message):
+    result = subprocess.run(
+        [sys.executable, "-m", "fbt_jax.train", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fbt-train: ") and message in lines[0], result.stderr
 
 
 def test_cli_reports_a_bad_config_as_one_line_before_compiling():

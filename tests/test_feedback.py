@@ -170,6 +170,45 @@ def test_masked_targets_do_not_count(small_model):
     assert float(jnp.abs(metrics["loss_pass_2"] - expected)) <= 1e-6
 
 
+@pytest.mark.parametrize("filler", [-100, 16])  # PyTorch's ignore index, and V (out of range)
+def test_masked_targets_may_hold_out_of_range_fillers(small_model, filler):
+    tokens, p_B = _tokens(), jnp.array([1, 1])
+    batch = _batch(tokens)
+    clean = {**batch, "weights": batch["weights"].at[:, 5:].set(0.0)}
+    filled = {**clean, "targets": batch["targets"].at[:, 5:].set(filler)}
+    graphdef, params = nnx.split(small_model, nnx.Param)
+
+    def loss_fn(params, batch):
+        return kpass_loss(nnx.merge(graphdef, params), batch, p_B, 2)[0]
+
+    (loss_a, grads_a), (loss_b, grads_b) = (jax.value_and_grad(loss_fn)(params, b) for b in (clean, filled))
+    assert np.isfinite(float(loss_b)) and float(loss_a) == float(loss_b)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)))
+
+
+def test_sequential_reference_respects_segments(small_model):
+    a, b = _tokens(batch=1, length=4, seed=3), _tokens(batch=1, length=6, seed=4)
+    packed = jnp.concatenate([a, b], axis=1)
+    positions = jnp.concatenate([jnp.arange(4), jnp.arange(6)])[None]
+    segments = jnp.array([[1] * 4 + [2] * 6])
+    p_B = jnp.array([1])
+    h = sequential_feedback(small_model, packed, p_B, positions, segments)
+    assert float(jnp.max(jnp.abs(h[:, :4] - sequential_feedback(small_model, a, p_B)))) <= 1e-5
+    assert float(jnp.max(jnp.abs(h[:, 4:] - sequential_feedback(small_model, b, p_B)))) <= 1e-5
+    k_pass = kpass_forward(small_model, packed, p_B, 6, positions_BT=positions, segment_ids_BT=segments)[-1]
+    assert float(jnp.max(jnp.abs(k_pass - h))) <= 1e-4
+
+
+def test_misuse_is_refused(small_model):
+    tokens, p_B = _tokens(), jnp.array([1, 1])
+    with pytest.raises(ValueError, match="at least one pass"):
+        kpass_forward(small_model, tokens, p_B, 0)
+    with pytest.raises(ValueError, match="needs a noise_rng"):
+        kpass_forward(small_model, tokens, p_B, 2, PassOptions(noise_std=0.1))
+    with pytest.raises(ValueError, match="fewer than K=3"):
+        kpass_loss(small_model, _batch(tokens), p_B, 3, PassOptions(loss_weights=(1.0, 1.0)))
+
+
 def test_noise_jitter_touches_only_the_carried_state(small_model):
     tokens, p_B = _tokens(), jnp.array([1, 1])
     noisy = PassOptions(noise_std=0.5)

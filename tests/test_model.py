@@ -55,9 +55,24 @@ def test_residual_outputs_are_depth_scaled():
     up = np.concatenate([np.ravel(b.mlp.up_DF[...]) for b in model.blocks])
     assert abs(down.std() / expected - 1) < 0.05 and abs(out.std() / expected - 1) < 0.05
     assert abs(up.std() / cfg.embed_dim**-0.5 - 1) < 0.05
-    # The carried (final-normed) state has unit RMS per feature, like the embeddings.
-    h = model.stack(model.embed(jnp.arange(16)[None]))
-    assert abs(float(jnp.sqrt(jnp.mean(h**2))) - 1) < 0.05
+
+
+def test_residual_stream_stays_order_one_as_depth_grows():
+    # Depth scaling keeps the pre-final-norm residual stream O(1) at init for any depth (without
+    # the 1/sqrt(2L) factor its RMS grows like sqrt(L)), so the carried state's scale does not
+    # depend on how deep the model is.
+    tokens = jnp.arange(16)[None]
+    positions = jnp.arange(16)[None]
+    mask = model_lib.attention_mask(positions, None)
+    rms = {}
+    for layers in (2, 8, 32):
+        model = build_model(small_model_config(num_layers=layers), seed=0)
+        x = model.embed(tokens)
+        for block in model.blocks:
+            x = block(x, positions, mask)
+        rms[layers] = float(jnp.sqrt(jnp.mean(x**2)))
+    assert all(0.8 < r < 2.0 for r in rms.values()), rms
+    assert rms[32] / rms[2] < 1.2, rms
 
 
 def test_bf16_compute_keeps_fp32_params_and_tracks_fp32():

@@ -36,7 +36,11 @@ def two_process_run(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("mp") / "two")
     result = subprocess.run(
         ["bash", "launch/local.sh", "--devices-per-process", "2", "2", *ARGS, f"--config.workdir={workdir}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env=cpu_env(2),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=cpu_env(2),
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return workdir, result
@@ -47,7 +51,11 @@ def one_process_run(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("mp") / "one")
     result = subprocess.run(
         [sys.executable, "-m", "fbt_jax.train", *ARGS, f"--config.workdir={workdir}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env=cpu_env(4),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=cpu_env(4),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return workdir
@@ -76,20 +84,33 @@ def test_each_process_loads_a_disjoint_slice_and_together_the_global_batch(two_p
 
 def test_processes_that_would_draw_different_passes_fail_instead_of_hanging(tmp_path):
     port = subprocess.run(
-        [sys.executable, "-c", "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-c",
+            "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.strip()
     procs = [
         subprocess.Popen(
             [
-                sys.executable, "-m", "fbt_jax.train", *ARGS,
+                sys.executable,
+                "-m",
+                "fbt_jax.train",
+                *ARGS,
                 f"--config.workdir={tmp_path / 'mismatch'}",
                 f"--config.seed={seed}",
                 f"--config.distributed.coordinator_address=127.0.0.1:{port}",
                 "--config.distributed.num_processes=2",
                 f"--config.distributed.process_id={i}",
             ],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cpu_env(2),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=cpu_env(2),
         )
         for i, seed in enumerate((0, 1))
     ]

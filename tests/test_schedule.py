@@ -64,6 +64,7 @@ def test_phases_switch_at_the_right_step():
         ("0:two=1.0", "is not 'K=probability'"),
         ("0:1=0.5,1=0.5", "appears twice"),
         ("", "non-empty string"),
+        ("0:1; 5000:2", "at or after train.steps=1000"),
     ],
 )
 def test_bad_schedules_name_the_problem(spec, message):
@@ -71,3 +72,10 @@ def test_bad_schedules_name_the_problem(spec, message):
         PassSchedule.parse(spec, 1000, seed=0)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_fraction_starts_are_floored_and_collisions_explained():
+    s = PassSchedule.parse("0.0:1; 0.25:2; 0.35:3", 10, seed=0)
+    assert [ph.start_step for ph in s.phases] == [0, 2, 3]
+    with pytest.raises(ConfigError, match="fractions are floored to steps of train.steps=10"):
+        PassSchedule.parse("0.0:1; 0.05:2", 10, seed=0)
