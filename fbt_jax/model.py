@@ -208,10 +208,10 @@ class Block(nnx.Module):
 class FBTransformer(nnx.Module):
     """Decoder-only transformer with tied embeddings and a latent-feedback fusion."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, activation_sharding: Any = None):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layout: Any = None):
         self.cfg = cfg
-        # Where (B, T, D) activations live between blocks (a NamedSharding, or None to let XLA pick).
-        self.activation_sharding = activation_sharding
+        # Where activations live on the mesh (sharding.ActivationLayout), or None to let XLA pick.
+        self.layout = layout
         pdt = jnp.dtype(cfg.param_dtype)
         # Unit-variance embeddings: e_t has per-feature RMS ≈ 1, the same scale as the
         # final-normed state h that is fed back, so plain and fused inputs live in one space.
@@ -235,7 +235,10 @@ class FBTransformer(nnx.Module):
         return jnp.dtype(self.cfg.compute_dtype)
 
     def embed(self, tokens_BT: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding_VD[...], tokens_BT, axis=0).astype(self.compute_dtype)
+        table_VD = self.embedding_VD[...]
+        if self.layout is not None:
+            table_VD = jax.lax.with_sharding_constraint(table_VD, self.layout.embedding_table)
+        return self._constrain(jnp.take(table_VD, tokens_BT, axis=0).astype(self.compute_dtype))
 
     def stack(
         self,
@@ -263,9 +266,9 @@ class FBTransformer(nnx.Module):
         return self.final_norm(x_BTD)
 
     def _constrain(self, x_BTD: jax.Array) -> jax.Array:
-        if self.activation_sharding is None:
+        if self.layout is None:
             return x_BTD
-        return jax.lax.with_sharding_constraint(x_BTD, self.activation_sharding)
+        return jax.lax.with_sharding_constraint(x_BTD, self.layout.activations)
 
     def logits(self, h_BTD: jax.Array) -> jax.Array:
         """Tied readout h · Eᵀ in (at least) fp32, optionally scaled by 1/√D since ‖h‖ ≈ √D."""
@@ -284,13 +287,13 @@ def _apply_block(block: Block, x_BTD: jax.Array, positions_BT: jax.Array, mask_B
     return block(x_BTD, positions_BT, mask_B1TT)
 
 
-def build_model(cfg: ModelConfig, seed: int, activation_sharding: Any = None) -> FBTransformer:
-    return FBTransformer(cfg, nnx.Rngs(params=seed), activation_sharding)
+def build_model(cfg: ModelConfig, seed: int, layout: Any = None) -> FBTransformer:
+    return FBTransformer(cfg, nnx.Rngs(params=seed), layout)
 
 
-def abstract_model(cfg: ModelConfig, activation_sharding: Any = None) -> FBTransformer:
+def abstract_model(cfg: ModelConfig, layout: Any = None) -> FBTransformer:
     """The model's structure and shapes without allocating weights (for big configs)."""
-    return nnx.eval_shape(lambda: build_model(cfg, 0, activation_sharding))
+    return nnx.eval_shape(lambda: build_model(cfg, 0, layout))
 
 
 def count_params(model_or_params: FBTransformer | nnx.State) -> int:

@@ -13,6 +13,7 @@ gave silently wrong gradients; tests compare every supported mesh with a single 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -34,6 +35,12 @@ LOGICAL_AXES = (*PARAM_AXES, BATCH_AXIS)
 DEFAULT_RULES = "batch=data+fsdp, embed=fsdp, mlp=tensor, heads=tensor, kv_heads=tensor, vocab=tensor, fusion=tensor"
 
 Rules = dict[str, tuple[str, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationLayout:
+    activations: NamedSharding  # (B, T, D) at block boundaries: batch-split, features replicated
+    embedding_table: NamedSharding  # the (V, D) table as used by the token lookup
 
 
 def mesh_shape(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -153,9 +160,15 @@ def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec((BATCH_AXIS, None), rules))
 
 
-def activation_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
-    """Sharding of (B, T, D) activations at block boundaries (batch-split, replicated features)."""
-    return NamedSharding(mesh, logical_to_spec((BATCH_AXIS, None, None), rules))
+def activation_layout(mesh: Mesh, rules: Rules) -> ActivationLayout:
+    """Where the model keeps activations, for the model to constrain them while tracing."""
+    return ActivationLayout(
+        activations=NamedSharding(mesh, logical_to_spec((BATCH_AXIS, None, None), rules)),
+        # The lookup gathers rows of a table whose `embed` dim is FSDP-sharded; gathered rows split
+        # on `embed` cannot be re-split by batch efficiently (XLA falls back to replicating), so
+        # gather the table along `embed` first, as FSDP does for every weight it uses.
+        embedding_table=NamedSharding(mesh, logical_to_spec(("vocab", None), rules)),
+    )
 
 
 def data_parallel_size(mesh: Mesh, rules: Rules) -> int:

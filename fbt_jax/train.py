@@ -168,8 +168,8 @@ class Trainer:
         self.task: WordProblem = make_task(config)
         self.model_cfg = ModelConfig.from_config(config.model)
         self.tx, self.lr_schedule = make_optimizer(config)
-        self.activation_sharding = sharding.activation_sharding(self.mesh, self.rules)
-        model = abstract_model(self.model_cfg, self.activation_sharding)
+        self.layout = sharding.activation_layout(self.mesh, self.rules)
+        model = abstract_model(self.model_cfg, self.layout)
         self.graphdef = nnx.split(model, nnx.Param)[0]
         self.abstract_state = jax.eval_shape(self._init_state)
         self.state_shardings = self._state_shardings()
@@ -179,7 +179,7 @@ class Trainer:
         self._rows: dict[int, np.ndarray] = {}
 
     def _init_state(self) -> TrainState:
-        model = build_model(self.model_cfg, self.config.seed, self.activation_sharding)
+        model = build_model(self.model_cfg, self.config.seed, self.layout)
         params = nnx.state(model, nnx.Param)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params))
 

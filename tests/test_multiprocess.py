@@ -119,3 +119,37 @@ def test_processes_that_would_draw_different_passes_fail_instead_of_hanging(tmp_
         assert proc.returncode == 4, err[-2000:]
         assert "fbt-train: processes disagree: processes would draw different pass counts K" in err
         assert "same seed and passes.schedule" in err
+
+
+def test_launchers_print_their_commands_in_dry_run_mode():
+    local = subprocess.run(
+        ["bash", "launch/local.sh", "--dry-run", "3", "--config=configs/tiny.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    assert len(local) == 3
+    for i, line in enumerate(local):
+        assert f"--config.distributed.process_id={i}" in line and "--config.distributed.num_processes=3" in line
+        assert "xla_force_host_platform_device_count=2" in line and "--config=configs/tiny.py" in line
+    tpu = subprocess.run(
+        ["bash", "launch/tpu_pod.sh", "--dry-run", "my-tpu", "us-east5-a", "--config=configs/fbt_1b.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "gcloud compute tpus tpu-vm ssh my-tpu --zone us-east5-a --worker=all" in tpu
+    assert "fbt-train" in tpu and "configs/fbt_1b.py" in tpu
+    slurm = subprocess.run(
+        ["bash", "launch/slurm_gpu.sbatch", "--config=configs/fbt_1b.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "DRY_RUN": "1"},
+    ).stdout
+    assert "srun --kill-on-bad-exit=1 fbt-train --config=configs/fbt_1b.py --config.distributed.mode=always" in slurm
+    bad = subprocess.run(["bash", "launch/local.sh", "zero"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "usage: launch/local.sh" in bad.stderr

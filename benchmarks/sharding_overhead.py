@@ -1,0 +1,119 @@
+"""Cost of sharding on one host: sharded vs single-device step time, and compile time per K.
+
+On 8 simulated CPU devices, runs the production train step for the same global batch (the same
+total work) on one device and on each mesh, interleaving them round by round, and prints the
+median step-time ratio sharded / single-device (it should not be much worse on one host; on a
+2-core CPU the 8 "devices" share 2 cores, so this measures partitioning overhead, not speed-up).
+Then compiles every K for the tiny config and, abstractly, for the 1B config (FSDP over the 8
+devices, no weights allocated) and prints the compile times.
+
+    python benchmarks/sharding_overhead.py [--rounds 9]
+
+Prints a table and, last, one JSON line.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs"))
+
+from fbt_1b import get_config as fbt_1b_config  # noqa: E402
+from tiny import get_config as tiny_config  # noqa: E402
+
+from fbt_jax.train import Trainer  # noqa: E402
+
+MESHES = {"1 device": None, "8x1x1": (8, 1, 1), "2x2x2": (2, 2, 2), "1x4x2": (1, 4, 2)}
+
+
+def bench_config():
+    c = tiny_config()
+    c.data.seq_len = 64
+    c.model.embed_dim = 128
+    c.model.num_heads = 4
+    c.model.num_kv_heads = 2
+    c.model.mlp_dim = 512
+    c.train.batch_size = 32
+    c.passes.schedule = "0:1=0.5,2=0.5"
+    c.eval.num_batches = 0
+    return c
+
+
+def step_times(rounds: int, steps_per_round: int) -> dict[str, float]:
+    programs = {}
+    for name, mesh in MESHES.items():
+        config = bench_config()
+        devices = jax.devices()[:1] if mesh is None else jax.devices()
+        if mesh is not None:
+            config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh
+        trainer = Trainer(config, log=lambda *_: None, devices=devices)
+        trainer.compile()
+        trainer.init_state()
+        batch = trainer.batch("train", 0, config.train.batch_size)
+        programs[name] = [trainer, batch]
+        for _ in range(2):  # warm up
+            trainer.state, metrics = trainer.train_programs[1](trainer.state, batch)
+        jax.block_until_ready(metrics)
+    samples: dict[str, list[float]] = {name: [] for name in MESHES}
+    for _ in range(rounds):
+        for name, (trainer, batch) in programs.items():
+            start = time.perf_counter()
+            for _ in range(steps_per_round):
+                trainer.state, metrics = trainer.train_programs[1](trainer.state, batch)
+            jax.block_until_ready((trainer.state, metrics))
+            samples[name].append((time.perf_counter() - start) / steps_per_round)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def compile_times(config, devices) -> dict[str, float]:
+    config.eval.num_batches = 0
+    trainer = Trainer(config, log=lambda *_: None, devices=devices)
+    return {k: v["compile_seconds"] for k, v in trainer.compile().items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--steps-per-round", type=int, default=3)
+    args = parser.parse_args()
+
+    times = step_times(args.rounds, args.steps_per_round)
+    base = times["1 device"]
+    print(f"{'layout':<10}{'median step':>14}{'ratio to 1 device':>20}")
+    for name, t in times.items():
+        print(f"{name:<10}{t * 1e3:>12.2f}ms{t / base:>20.3f}")
+
+    tiny = tiny_config()
+    tiny.passes.schedule = "0:1=0.4,2=0.3,3=0.3"
+    one_b = fbt_1b_config()
+    one_b.mesh.data, one_b.mesh.fsdp = 1, 8
+    compiles = {
+        "tiny (8 devices)": compile_times(tiny, jax.devices()),
+        "1b abstract (fsdp=8)": compile_times(one_b, jax.devices()),
+    }
+    for name, per_k in compiles.items():
+        print(f"compile {name}: " + ", ".join(f"{k} {v:.1f}s" for k, v in per_k.items()))
+    print(
+        json.dumps(
+            {
+                "step_seconds": times,
+                "ratio_to_one_device": {name: t / base for name, t in times.items()},
+                "compile_seconds": compiles,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Run fbt-train on every worker of a Cloud TPU VM slice (one process per host; JAX finds the
+# other hosts from the TPU metadata, so no coordinator flags are needed).
+#
+#   launch/tpu_pod.sh [--dry-run] [--setup] TPU_NAME ZONE <fbt-train args...>
+#   e.g. launch/tpu_pod.sh my-v5p-128 us-east5-a --config=configs/fbt_1b.py --config.workdir=gs://bucket/runs/1b
+#
+# --setup first copies this checkout to every worker and installs it (pip install -e .).
+# --dry-run prints the gcloud commands without running them. Environment:
+#   PROJECT        gcloud project (default: gcloud's configured one)
+#   REMOTE_DIR     checkout location on the workers (default: ~/fbt-jax)
+#   EXTRA_ENV      extra "VAR=value ..." to set on the workers (e.g. LIBTPU_INIT_ARGS=...)
+set -euo pipefail
+
+dry_run=0; setup=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --dry-run) dry_run=1; shift ;;
+    --setup) setup=1; shift ;;
+    *) break ;;
+  esac
+done
+if [[ $# -lt 2 ]]; then
+  echo "usage: launch/tpu_pod.sh [--dry-run] [--setup] TPU_NAME ZONE <fbt-train args...>" >&2
+  exit 2
+fi
+tpu="$1"; zone="$2"; shift 2
+remote_dir=${REMOTE_DIR:-'~/fbt-jax'}
+project_flag=()
+[[ -n "${PROJECT:-}" ]] && project_flag=(--project "$PROJECT")
+ssh=(gcloud compute tpus tpu-vm ssh "$tpu" --zone "$zone" "${project_flag[@]}" --worker=all)
+
+run() {
+  echo "[tpu_pod.sh] $(printf '%q ' "$@")"
+  [[ $dry_run -eq 1 ]] || "$@"
+}
+
+if [[ $setup -eq 1 ]]; then
+  here=$(cd "$(dirname "$0")/.." && pwd)
+  run gcloud compute tpus tpu-vm scp --recurse "$here" "$tpu:$remote_dir" --zone "$zone" "${project_flag[@]}" --worker=all
+  run "${ssh[@]}" --command "cd $remote_dir && python3 -m pip install -q -e . 'jax[tpu]'"
+fi
+
+# Unbuffered output so every host's progress shows up; only process 0 prints metrics.
+command="cd $remote_dir && PYTHONUNBUFFERED=1 ${EXTRA_ENV:-} fbt-train $(printf '%q ' "$@")"
+run "${ssh[@]}" --command "$command"
