@@ -131,20 +131,22 @@ def test_scanned_layers_and_remat_policies_compute_the_same_function():
     plain = build_model(small_model_config(num_layers=3), seed=0)
     loss, grads = _loss_and_grads(plain, tokens, p_B)
     plain_params = nnx.to_pure_dict(nnx.state(plain, nnx.Param))
-    for remat in model_lib.REMAT_POLICIES:
-        for scan in (False, True):
-            other = build_model(small_model_config(num_layers=3, remat=remat, scan_layers=scan), seed=0)
-            expected_grads = nnx.to_pure_dict(grads)
-            if scan:
-                state = nnx.state(other, nnx.Param)
-                nnx.replace_by_pure_dict(state, _stacked(plain_params))
-                nnx.update(other, state)
-                expected_grads = _stacked(expected_grads)
-            other_loss, other_grads = _loss_and_grads(other, tokens, p_B)
-            assert abs(float(other_loss - loss)) <= 1e-6, (remat, scan)
-            flat, ref = jax.tree.leaves(nnx.to_pure_dict(other_grads)), jax.tree.leaves(expected_grads)
-            assert len(flat) == len(ref)
-            assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(flat, ref)) <= 1e-5, (remat, scan)
+    # Every policy once and both layer layouts, in four compiles.
+    combos = [("none", True), ("block", False), ("save_matmuls", True), ("save_matmuls_no_batch", False)]
+    assert {remat for remat, _ in combos} == set(model_lib.REMAT_POLICIES)
+    for remat, scan in combos:
+        other = build_model(small_model_config(num_layers=3, remat=remat, scan_layers=scan), seed=0)
+        expected_grads = nnx.to_pure_dict(grads)
+        if scan:
+            state = nnx.state(other, nnx.Param)
+            nnx.replace_by_pure_dict(state, _stacked(plain_params))
+            nnx.update(other, state)
+            expected_grads = _stacked(expected_grads)
+        other_loss, other_grads = _loss_and_grads(other, tokens, p_B)
+        assert abs(float(other_loss - loss)) <= 1e-6, (remat, scan)
+        flat, ref = jax.tree.leaves(nnx.to_pure_dict(other_grads)), jax.tree.leaves(expected_grads)
+        assert len(flat) == len(ref)
+        assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(flat, ref)) <= 1e-5, (remat, scan)
 
 
 def test_scanned_blocks_carry_the_layers_axis_name():
