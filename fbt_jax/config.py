@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from fbt_jax.data import make_task
+from fbt_jax.data.pipeline import validate_data
 from fbt_jax.errors import ConfigError
 from fbt_jax.feedback import FUSIONS
 from fbt_jax.model import REMAT_POLICIES
@@ -26,9 +26,29 @@ def default_config() -> ml_collections.ConfigDict:
     c.seed = 0
 
     c.data = ml_collections.ConfigDict()
-    c.data.task = "word_problem"
-    c.data.group = "S5"
+    c.data.source = "task"  # task | text | tfds
     c.data.seq_len = 32
+    # source = task: synthetic tasks generated from the example index
+    c.data.task = "word_problem"  # word_problem | modular_sum | delayed_recall
+    c.data.group = "S5"
+    c.data.modulus = 2
+    c.data.delay = 4
+    c.data.task_vocab_size = 16
+    # source = text: a glob of text files, or a directory written by fbt-prepare
+    c.data.path = ""
+    c.data.tokenizer = "byte"  # byte | path to a SentencePiece .model
+    c.data.validation_fraction = 0.01
+    # source = tfds: a prepared TFDS dataset, read as ArrayRecord without TensorFlow
+    c.data.tfds_name = ""
+    c.data.tfds_data_dir = ""
+    c.data.tfds_text_key = "text"
+    c.data.tfds_train_split = "train"
+    c.data.tfds_validation_split = "validation"
+    c.data.cache_dir = ""  # where text/TFDS sources are prepared on first use ("" = <workdir>/data_cache)
+    # loading
+    c.data.shuffle = True
+    c.data.num_workers = 0  # >0: worker processes build batches ahead of the step
+    c.data.prefetch = 2
 
     c.model = ml_collections.ConfigDict()
     c.model.vocab_size = 120
@@ -151,12 +171,13 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     _require(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be positive")
     _require(m.remat in REMAT_POLICIES, f"model.remat={m.remat!r} is unknown; use one of {tuple(REMAT_POLICIES)}")
 
-    task = make_task(config)
+    data_vocab, what = validate_data(config)
     _require(
-        m.vocab_size >= task.vocab_size,
-        f"model.vocab_size={m.vocab_size} is smaller than the data's vocabulary ({task.vocab_size} tokens for "
-        f"data.group={d.group!r}); set --config.model.vocab_size={task.vocab_size} or larger",
+        m.vocab_size >= data_vocab,
+        f"model.vocab_size={m.vocab_size} is smaller than the data's vocabulary ({data_vocab} tokens for "
+        f"{what}); set --config.model.vocab_size={data_vocab} or larger",
     )
+    _require(d.num_workers >= 0 and d.prefetch >= 0, "data.num_workers and data.prefetch must be >= 0")
 
     _require(isinstance(t.steps, int) and t.steps >= 1, f"train.steps={t.steps!r} must be a positive integer")
     _require(

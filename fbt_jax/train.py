@@ -26,7 +26,7 @@ from flax import nnx, struct
 
 from fbt_jax import distributed, sharding
 from fbt_jax.config import validate_config
-from fbt_jax.data import WordProblem, make_task
+from fbt_jax.data.pipeline import StepBatches, batch_iterator, make_source
 from fbt_jax.errors import ConfigError
 from fbt_jax.feedback import PassOptions, draw_fuse_from, kpass_forward, kpass_loss, token_nll
 from fbt_jax.metrics import MetricsWriter
@@ -139,7 +139,14 @@ def eval_step(
     """
     model = nnx.merge(graphdef, params)
     fuse_from_B = jnp.full((batch["inputs"].shape[0],), fuse_from, jnp.int32)
-    states = kpass_forward(model, batch["inputs"], fuse_from_B, num_passes)
+    states = kpass_forward(
+        model,
+        batch["inputs"],
+        fuse_from_B,
+        num_passes,
+        positions_BT=batch.get("positions"),
+        segment_ids_BT=batch.get("segment_ids"),
+    )
     out = {}
     for k, h_BTD in enumerate(states, start=1):
         logits_BTV = model.logits(h_BTD)
@@ -165,7 +172,14 @@ class Trainer:
         self.rules = sharding.parse_rules(config.sharding.rules)
         self.mesh = sharding.make_mesh(config.mesh, devices)
         self.batch_sharding = sharding.batch_sharding(self.mesh, self.rules)
-        self.task: WordProblem = make_task(config)
+        self.sources = {"train": make_source(config, "train")}
+        if config.eval.num_batches > 0:
+            self.sources["validation"] = make_source(config, "validation")
+        if self.sources["train"].vocab_size > config.model.vocab_size:  # prepared data is known only now
+            raise ConfigError(
+                f"model.vocab_size={config.model.vocab_size} is smaller than the data's vocabulary "
+                f"({self.sources['train'].vocab_size}); set --config.model.vocab_size={self.sources['train'].vocab_size} or larger"
+            )
         self.model_cfg = ModelConfig.from_config(config.model)
         self.tx, self.lr_schedule = make_optimizer(config)
         self.layout = sharding.activation_layout(self.mesh, self.rules)
@@ -176,7 +190,6 @@ class Trainer:
         self.state: TrainState | None = None
         self.train_programs: dict[int, Any] = {}
         self.eval_program: Any = None
-        self._rows: dict[int, np.ndarray] = {}
 
     def _init_state(self) -> TrainState:
         model = build_model(self.model_cfg, self.config.seed, self.layout)
@@ -206,14 +219,22 @@ class Trainer:
     def _abstract_batch(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
         shape = (batch_size, self.config.data.seq_len)
         dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "weights": jnp.float32}
+        if self.sources["train"].packed:
+            dtypes |= {"segment_ids": jnp.int32, "positions": jnp.int32}
         return {k: jax.ShapeDtypeStruct(shape, dt, sharding=self.batch_sharding) for k, dt in dtypes.items()}
+
+    def step_batches(self, split: str, batch_size: int) -> StepBatches:
+        """step → this process's rows of that step's global batch of `split` (validation unshuffled)."""
+        rows = tuple(sharding.process_rows(self.batch_sharding, batch_size).tolist())
+        shuffle = self.config.data.shuffle and split == "train"
+        return StepBatches(self.sources[split], batch_size, rows, self.config.seed, shuffle)
+
+    def to_global(self, local_rows: dict[str, np.ndarray], batch_size: int) -> dict[str, jax.Array]:
+        return sharding.global_batch(local_rows, self.batch_sharding, batch_size)
 
     def batch(self, split: str, step: int, batch_size: int) -> dict[str, jax.Array]:
         """The global batch for `step`; this process loads only the rows its devices hold."""
-        if batch_size not in self._rows:
-            self._rows[batch_size] = sharding.process_rows(self.batch_sharding, batch_size)
-        indices = step * batch_size + self._rows[batch_size]
-        return sharding.global_batch(self.task.examples(split, indices), self.batch_sharding, batch_size)
+        return self.to_global(self.step_batches(split, batch_size)(step), batch_size)
 
     def process_rows(self, batch_size: int) -> list[int]:
         """Which rows of each global batch this process loads (for logs and tests)."""
@@ -266,8 +287,10 @@ class Trainer:
         """Held-out loss and token accuracy for each K in eval.num_passes."""
         e = self.config.eval
         totals: dict[str, float] = {}
+        batches = self.step_batches("validation", e.batch_size)
         for i in range(e.num_batches):
-            out = jax.device_get(self.eval_program(self.state.params, self.batch("validation", i, e.batch_size)))
+            batch = self.to_global(batches(i), e.batch_size)
+            out = jax.device_get(self.eval_program(self.state.params, batch))
             for key, value in out.items():
                 totals[key] = totals.get(key, 0.0) + float(value)
         results = {}
@@ -307,13 +330,16 @@ class Trainer:
         previous_k = None
         pending: list[tuple[int, dict[str, jax.Array]]] = []  # (K, device metrics) since the last log
         shown = ""
+        d = cfg.data
+        batches = batch_iterator(self.step_batches("train", batch_size), 0, d.num_workers, d.prefetch)
         try:
             for step in range(steps):
                 k = self.schedule.num_passes(step)
                 if k != previous_k:
                     distributed.check_step_agreement(step, k)
                     previous_k = k
-                self.state, metrics = self.train_programs[k](self.state, self.batch("train", step, batch_size))
+                batch = self.to_global(next(batches), batch_size)
+                self.state, metrics = self.train_programs[k](self.state, batch)
                 pending.append((k, metrics))
                 bar.update(1)
                 bar.set_postfix_str(f"K={k}{shown}", refresh=False)
@@ -341,6 +367,8 @@ class Trainer:
         finally:
             bar.close()
             writer.close()
+            if hasattr(batches, "close"):
+                batches.close()  # stops prefetch threads / worker processes
         summary = {
             "steps": steps,
             "train_seconds": time.perf_counter() - start_time,

@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from fbt_jax.data import WordProblem, composition_table, group_elements
+from fbt_jax.data.tasks import SyntheticTask, composition_table, group_elements
 from fbt_jax.errors import ConfigError
 
 
@@ -23,7 +23,7 @@ def test_groups_have_the_right_order_and_identity_first(group, order):
 
 
 def test_word_problem_targets_are_prefix_products():
-    task = WordProblem(group="S4", seq_len=12, seed=5)
+    task = SyntheticTask("word_problem", seq_len=12, seed=5, group="S4")
     elements = group_elements("S4")
     batch = task.examples("train", np.arange(10, 16))
     for inputs, targets in zip(batch["inputs"], batch["targets"]):
@@ -35,14 +35,14 @@ def test_word_problem_targets_are_prefix_products():
 
 
 def test_examples_are_a_function_of_index_and_splits_differ():
-    task = WordProblem(group="S5", seq_len=16, seed=0)
+    task = SyntheticTask("word_problem", seq_len=16, seed=0, group="S5")
     whole = task.batch("train", step=3, batch_size=8)["inputs"]
     part = task.examples("train", np.arange(26, 28))["inputs"]
     assert np.array_equal(whole[2:4], part)
     val = task.batch("validation", step=3, batch_size=8)["inputs"]
     train_rows = {tuple(r) for r in task.examples("train", np.arange(512))["inputs"]}
     assert not any(tuple(r) in train_rows for r in val)
-    assert not np.array_equal(whole, WordProblem(group="S5", seq_len=16, seed=1).batch("train", 3, 8)["inputs"])
+    assert not np.array_equal(whole, SyntheticTask("word_problem", seq_len=16, seed=1, group="S5").batch("train", 3, 8)["inputs"])
 
 
 def test_unknown_group_is_a_config_error():

@@ -1,0 +1,63 @@
+"""Packing variable-length documents into fixed-length records, and records into examples.
+
+A record holds T + 1 token ids and their segment ids (1, 2, … per document piece; 0 = padding),
+so that inputs = tokens[:-1] and targets = tokens[1:]. Documents are placed in order; one that
+does not fit the space left starts a new record if it fits a whole one, and a document longer
+than a record is split into record-sized pieces. Every input token lands in exactly one record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+
+def pack_documents(documents: Iterable[np.ndarray], seq_len: int) -> Iterator[np.ndarray]:
+    """Yield int32 records of shape (2, seq_len + 1): row 0 token ids, row 1 segment ids."""
+    length = seq_len + 1
+    record = np.zeros((2, length), np.int32)
+    fill, segment = 0, 0
+    for doc in documents:
+        doc = np.asarray(doc, np.int32)
+        while len(doc):
+            room = length - fill
+            if len(doc) > room and fill > 0 and len(doc) <= length:
+                yield record  # keep the document whole: start it in a fresh record
+                record, fill, segment = np.zeros((2, length), np.int32), 0, 0
+                continue
+            piece, doc = doc[:room], doc[room:]
+            segment += 1
+            record[0, fill : fill + len(piece)] = piece
+            record[1, fill : fill + len(piece)] = segment
+            fill += len(piece)
+            if fill == length:
+                yield record
+                record, fill, segment = np.zeros((2, length), np.int32), 0, 0
+    if fill:
+        yield record
+
+
+def segment_positions(segment_ids: np.ndarray) -> np.ndarray:
+    """Position of each token within its segment (restarting at 0 at every boundary)."""
+    index = np.arange(segment_ids.shape[-1])
+    starts = np.concatenate([[True], segment_ids[1:] != segment_ids[:-1]])
+    start_index = np.maximum.accumulate(np.where(starts, index, 0))
+    return (index - start_index).astype(np.int32)
+
+
+def record_to_example(record: np.ndarray) -> dict[str, np.ndarray]:
+    """Inputs, targets, loss weights, segment ids and positions (each (T,)) of one record.
+
+    A target counts only inside one document: never across a boundary, never on padding.
+    """
+    tokens, segments = record[0], record[1]
+    in_segments = segments[:-1]
+    weights = (segments[1:] == in_segments) & (in_segments > 0)
+    return {
+        "inputs": tokens[:-1].copy(),
+        "targets": tokens[1:].copy(),
+        "weights": weights.astype(np.float32),
+        "segment_ids": in_segments.copy(),
+        "positions": segment_positions(in_segments),
+    }

@@ -1,0 +1,284 @@
+"""Prepared text: tokenise a corpus once, pack it, write fixed-length records (ArrayRecord).
+
+`fbt-prepare` (and the trainer, on first use of a text or TFDS source) writes a directory:
+
+    meta.json                   tokenizer, vocab size, seq_len, record and token counts
+    train.array_record          packed records, one per example (see packing.py)
+    validation.array_record
+
+Training then reads records by index (random access), so the batch of any step can be rebuilt
+from the step number alone. Documents go to validation by a hash of their text
+(`validation_fraction`), so the two splits never share a document; a TFDS dataset keeps its own
+splits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+from fbt_jax.data.packing import pack_documents, record_to_example
+from fbt_jax.data.tokenizers import load_tokenizer
+from fbt_jax.errors import ConfigError
+
+FORMAT_VERSION = 1
+SPLIT_NAMES = ("train", "validation")
+
+
+def text_files(pattern: str) -> list[str]:
+    """Files matched by a glob (or a single path); a clear error if none, or one is unreadable/empty."""
+    paths = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
+    if not paths:
+        raise ConfigError(f"data.path={pattern!r} matches no file; give a glob of text files, e.g. 'corpus/*.txt'")
+    for path in paths:
+        if not os.access(path, os.R_OK):
+            raise ConfigError(f"text file {path} is not readable; fix its permissions or drop it from data.path")
+        if os.path.getsize(path) == 0:
+            raise ConfigError(f"text file {path} is empty; remove it or fix data.path")
+    return paths
+
+
+def read_documents(paths: list[str]) -> Iterator[str]:
+    """`.jsonl` files: one document per line (its "text" field); other files: one document each."""
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as f:
+                if path.endswith(".jsonl"):
+                    for number, line in enumerate(f, start=1):
+                        if line.strip():
+                            try:
+                                yield json.loads(line)["text"]
+                            except (json.JSONDecodeError, KeyError, TypeError):
+                                raise ConfigError(f"{path}:{number} is not a JSON object with a 'text' field") from None
+                else:
+                    yield f.read()
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"text file {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
+def is_validation(text: str, fraction: float) -> bool:
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64 < fraction
+
+
+def write_records(path: str, records: Iterable[np.ndarray]) -> int:
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    writer = ArrayRecordWriter(path, "group_size:1")
+    count = 0
+    try:
+        for record in records:
+            writer.write(record.astype(np.int32).tobytes())
+            count += 1
+    finally:
+        writer.close()
+    return count
+
+
+def prepare(
+    documents: dict[str, Iterable[str]],
+    tokenizer_spec: str,
+    seq_len: int,
+    out_dir: str,
+    source: dict[str, Any],
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Tokenise and pack each split's documents into `out_dir` (written atomically)."""
+    tokenizer = load_tokenizer(tokenizer_spec)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp_dir = tempfile.mkdtemp(prefix=".prepare-", dir=parent)
+    try:
+        return _prepare_into(tmp_dir, documents, tokenizer, seq_len, out_dir, source, progress)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # gone after the rename, or after a failure
+
+
+def _prepare_into(
+    tmp_dir: str, documents: dict, tokenizer: Any, seq_len: int, out_dir: str, source: dict, progress: bool
+) -> dict[str, Any]:
+    stats = {"documents": {}, "tokens": {}, "records": {}}
+    from tqdm import tqdm
+
+    for split, docs in documents.items():
+        counts = {"documents": 0, "tokens": 0}
+
+        def tokenised(docs=docs, counts=counts, split=split):
+            for text in tqdm(docs, desc=f"prepare {split}", unit="doc", disable=not progress):
+                ids = tokenizer.encode(text)
+                counts["documents"] += 1
+                counts["tokens"] += len(ids)
+                yield ids
+
+        stats["records"][split] = write_records(
+            os.path.join(tmp_dir, f"{split}.array_record"), pack_documents(tokenised(), seq_len)
+        )
+        stats["documents"][split], stats["tokens"][split] = counts["documents"], counts["tokens"]
+    if stats["tokens"].get("train", 0) < seq_len + 1:
+        raise ConfigError(
+            f"the training data has {stats['tokens'].get('train', 0)} tokens, fewer than one sequence of "
+            f"seq_len+1 = {seq_len + 1}; use more text or a shorter data.seq_len"
+        )
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "tokenizer": tokenizer.name,
+        "vocab_size": tokenizer.vocab_size,
+        "seq_len": seq_len,
+        "source": source,
+        **stats,
+    }
+    with open(os.path.join(tmp_dir, "meta.json"), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=2)
+    try:
+        os.rename(tmp_dir, out_dir)  # atomic: readers see all of it or none
+    except OSError:
+        if not os.path.exists(os.path.join(out_dir, "meta.json")):
+            raise
+        # Another process prepared the same (deterministic) data first; theirs is kept.
+    return meta
+
+
+def read_meta(directory: str) -> dict[str, Any]:
+    path = os.path.join(directory, "meta.json")
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"{directory} holds no prepared data (no meta.json); run fbt-prepare or point data.path at text files"
+        )
+    with open(path, encoding="utf-8") as f:
+        meta = json.load(f)
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ConfigError(
+            f"{directory} was prepared in format {meta.get('format_version')}, expected {FORMAT_VERSION}; prepare it again"
+        )
+    return meta
+
+
+class PackedRecords:
+    """Random-access examples from a prepared split (picklable, for data-loader workers)."""
+
+    packed = True
+
+    def __init__(self, directory: str, split: str):
+        from grain.sources import ArrayRecordDataSource
+
+        self.directory, self.split = directory, split
+        self.meta = read_meta(directory)
+        self.seq_len = self.meta["seq_len"]
+        self.vocab_size = self.meta["vocab_size"]
+        self._records = ArrayRecordDataSource(os.path.join(directory, f"{split}.array_record"))
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def example(self, index: int) -> dict[str, np.ndarray]:
+        record = np.frombuffer(self._records[int(index)], np.int32).reshape(2, self.seq_len + 1)
+        return record_to_example(record)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"directory": self.directory, "split": self.split}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["directory"], state["split"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`fbt-prepare`: tokenise and pack a text corpus or a TFDS dataset into fixed-length records."""
+    parser = argparse.ArgumentParser(prog="fbt-prepare", description=main.__doc__)
+    parser.add_argument("--output", required=True, help="directory to write (must not exist yet)")
+    parser.add_argument("--seq-len", type=int, required=True, help="tokens per example (the model's data.seq_len)")
+    parser.add_argument(
+        "--input", help="glob of text files (.jsonl: one {'text': ...} per line; others: one document per file)"
+    )
+    parser.add_argument("--tokenizer", default="byte", help="'byte' or a SentencePiece .model path")
+    parser.add_argument("--validation-fraction", type=float, default=0.01, help="share of text documents held out")
+    parser.add_argument("--tfds-name", help="a prepared TFDS dataset (name[:version]) instead of --input")
+    parser.add_argument("--tfds-data-dir", help="its data_dir (local or gs://)")
+    parser.add_argument("--tfds-text-key", default="text")
+    parser.add_argument("--tfds-splits", default="train,validation", help="TFDS splits used as train,validation")
+    args = parser.parse_args(argv)
+    try:
+        if os.path.exists(args.output):
+            raise ConfigError(
+                f"--output {args.output} already exists; choose a new directory (prepared data is never overwritten)"
+            )
+        if args.seq_len < 2:
+            raise ConfigError(f"--seq-len {args.seq_len} is too short; use at least 2")
+        if bool(args.input) == bool(args.tfds_name):
+            raise ConfigError("give exactly one of --input (text files) or --tfds-name (a TFDS dataset)")
+        if args.input:
+            documents, source = text_split_documents(args.input, args.validation_fraction)
+        else:
+            train_split, validation_split = args.tfds_splits.split(",")
+            documents, source = tfds_split_documents(
+                args.tfds_name, args.tfds_data_dir, args.tfds_text_key, train_split, validation_split
+            )
+        meta = prepare(documents, args.tokenizer, args.seq_len, args.output, source, progress=True)
+    except ConfigError as err:
+        print(f"fbt-prepare: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(
+        f"wrote {meta['records']['train']:,} train and {meta['records']['validation']:,} validation records "
+        f"({meta['tokens']['train']:,} + {meta['tokens']['validation']:,} tokens, vocab {meta['vocab_size']}) "
+        f"to {args.output}; train with --config.data.source=text --config.data.path={args.output}"
+    )
+
+
+def text_split_documents(pattern: str, validation_fraction: float) -> tuple[dict[str, Iterable[str]], dict]:
+    if not 0.0 <= validation_fraction < 1.0:
+        raise ConfigError(f"validation fraction {validation_fraction} must be in [0, 1)")
+    paths = text_files(pattern)
+    documents = {
+        "train": (d for d in read_documents(paths) if not is_validation(d, validation_fraction)),
+        "validation": (d for d in read_documents(paths) if is_validation(d, validation_fraction)),
+    }
+    fingerprint = [(p, os.path.getsize(p), int(os.path.getmtime(p))) for p in paths]
+    return documents, {"kind": "text", "files": fingerprint, "validation_fraction": validation_fraction}
+
+
+def tfds_split_documents(
+    name: str, data_dir: str | None, text_key: str, train_split: str, validation_split: str
+) -> tuple[dict[str, Iterable[str]], dict]:
+    if not data_dir:
+        raise ConfigError(f"the TFDS dataset {name!r} needs its data_dir (data.tfds_data_dir / --tfds-data-dir)")
+    import tensorflow_datasets as tfds
+
+    try:
+        builder = tfds.builder(name, data_dir=data_dir)
+        info = builder.info
+        splits = {
+            s: builder.as_data_source(split=sp) for s, sp in (("train", train_split), ("validation", validation_split))
+        }
+    except Exception as err:  # tfds raises many types for "not found"; report them as one line
+        raise ConfigError(
+            f"TFDS dataset {name!r} is not prepared in {data_dir} ({type(err).__name__}: {' '.join(str(err).split())[:300]})"
+        ) from None
+    if text_key not in info.features:
+        raise ConfigError(f"TFDS dataset {name!r} has no feature {text_key!r}; its features are {list(info.features)}")
+
+    def texts(source):
+        for i in range(len(source)):
+            value = source[i][text_key]
+            yield value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+    documents = {split: texts(source) for split, source in splits.items()}
+    return documents, {
+        "kind": "tfds",
+        "name": name,
+        "data_dir": str(data_dir),
+        "version": str(info.version),
+        "splits": [train_split, validation_split],
+    }
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""Built-in synthetic tasks, generated from the example index (no files).
+
+- `word_problem`: tokens are elements g_0 … g_{T-1} of a permutation group; the target at t is the
+  prefix product g_0 ∘ … ∘ g_t ((a ∘ b)(i) = a(b(i))). State tracking: where latent feedback
+  should matter most.
+- `modular_sum`: tokens in {0 … m−1}; the target at t is (x_0 + … + x_t) mod m (parity for m = 2).
+- `delayed_recall`: tokens from an alphabet of `task_vocab_size` symbols; the target at t is the
+  token seen `delay` positions earlier (positions t < delay are not scored).
+
+Example i of a split is a pure function of (seed, split, i). The splits are disjoint by content:
+an example belongs to the split selected by a hash of its tokens, and generation redraws (with the
+next attempt number) until the example hashes into its own split, so no validation sequence can
+ever appear in training, even for tasks with few distinct sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import itertools
+
+import numpy as np
+
+from fbt_jax.errors import ConfigError
+
+SPLITS = {"train": 0, "validation": 1}
+TASKS = ("word_problem", "modular_sum", "delayed_recall")
+
+
+@functools.cache
+def group_elements(group: str) -> tuple[tuple[int, ...], ...]:
+    """Elements of a permutation group as tuples; index 0 is the identity.
+
+    Supported: "S<n>" (symmetric), "A<n>" (alternating, even permutations), "Z<n>" (cyclic).
+    """
+    kind, n_text = group[:1].upper(), group[1:]
+    if kind not in "SAZ" or not n_text.isdigit() or not 2 <= int(n_text) <= 7:
+        raise ConfigError(f"data.group={group!r} is unknown; use S<n>, A<n> or Z<n> with 2 <= n <= 7, e.g. 'S5'")
+    n = int(n_text)
+    if kind == "Z":
+        return tuple(tuple((i + shift) % n for i in range(n)) for shift in range(n))
+    perms = sorted(itertools.permutations(range(n)))
+    if kind == "A":
+        perms = [p for p in perms if _is_even(p)]
+    return tuple(perms)
+
+
+def _is_even(perm: tuple[int, ...]) -> bool:
+    inversions = sum(1 for i in range(len(perm)) for j in range(i + 1, len(perm)) if perm[i] > perm[j])
+    return inversions % 2 == 0
+
+
+@functools.cache
+def composition_table(group: str) -> np.ndarray:
+    """table[a, b] = index of a ∘ b."""
+    elements = group_elements(group)
+    index = {p: i for i, p in enumerate(elements)}
+    return np.array([[index[tuple(a[b[i]] for i in range(len(a)))] for b in elements] for a in elements], np.int32)
+
+
+def split_of(tokens: np.ndarray) -> int:
+    """The split (0 train, 1 validation) an example belongs to, from its content alone."""
+    return hashlib.blake2b(np.ascontiguousarray(tokens, np.int32).tobytes(), digest_size=1).digest()[0] & 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticTask:
+    """A random-access source of task examples (`inputs`, `targets`, `weights`, each (T,))."""
+
+    task: str
+    seq_len: int
+    seed: int
+    group: str = "S5"
+    modulus: int = 2
+    delay: int = 4
+    task_vocab_size: int = 16
+
+    packed = False  # no segment ids / positions: one sequence per example
+
+    @property
+    def vocab_size(self) -> int:
+        if self.task == "word_problem":
+            return len(group_elements(self.group))
+        if self.task == "modular_sum":
+            return self.modulus
+        return self.task_vocab_size
+
+    def __len__(self) -> int:
+        return 2**62  # effectively unbounded: every index is a fresh example
+
+    def _draw(self, split: str, index: int) -> np.ndarray:
+        for attempt in itertools.count():
+            rng = np.random.default_rng([self.seed, SPLITS[split], int(index), attempt])
+            tokens = rng.integers(0, self.vocab_size, self.seq_len).astype(np.int32)
+            if split_of(tokens) == SPLITS[split]:
+                return tokens
+        raise AssertionError("unreachable")
+
+    def labels(self, tokens_BT: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Targets and loss weights for a batch of token sequences."""
+        targets = np.zeros_like(tokens_BT)
+        weights = np.ones(tokens_BT.shape, np.float32)
+        if self.task == "word_problem":
+            table = composition_table(self.group)
+            running = tokens_BT[:, 0]
+            targets[:, 0] = running
+            for t in range(1, self.seq_len):
+                running = table[running, tokens_BT[:, t]]
+                targets[:, t] = running
+        elif self.task == "modular_sum":
+            targets = (np.cumsum(tokens_BT, axis=1) % self.modulus).astype(np.int32)
+        else:
+            targets[:, self.delay :] = tokens_BT[:, : -self.delay]
+            weights[:, : self.delay] = 0.0
+        return targets, weights
+
+    def examples(self, split: str, indices: np.ndarray) -> dict[str, np.ndarray]:
+        """The examples with the given indices of `split`, as arrays (len(indices), seq_len)."""
+        inputs = np.stack([self._draw(split, i) for i in indices]).reshape(len(indices), self.seq_len)
+        targets, weights = self.labels(inputs)
+        return {"inputs": inputs, "targets": targets, "weights": weights}
+
+    def batch(self, split: str, step: int, batch_size: int) -> dict[str, np.ndarray]:
+        """Examples step·B … step·B + B − 1 of `split`."""
+        return self.examples(split, np.arange(step * batch_size, (step + 1) * batch_size))
+
+
+def make_task(config) -> SyntheticTask:
+    """The task named by `config.data`, validated (one-line errors)."""
+    data = config.data
+    if data.task not in TASKS:
+        raise ConfigError(f"data.task={data.task!r} is unknown; use one of {TASKS}")
+    if data.seq_len < 2:
+        raise ConfigError(f"data.seq_len={data.seq_len} is too short; use at least 2 tokens")
+    if data.task == "word_problem":
+        group_elements(data.group)  # validates the name
+    if data.task == "modular_sum" and data.modulus < 2:
+        raise ConfigError(f"data.modulus={data.modulus} must be at least 2 (2 = parity)")
+    if data.task == "delayed_recall":
+        if data.task_vocab_size < 2:
+            raise ConfigError(f"data.task_vocab_size={data.task_vocab_size} must be at least 2")
+        if not 1 <= data.delay < data.seq_len:
+            raise ConfigError(
+                f"data.delay={data.delay} cannot be filled by data.seq_len={data.seq_len}; use 1 <= delay < seq_len"
+            )
+    return SyntheticTask(
+        task=data.task,
+        seq_len=data.seq_len,
+        seed=config.seed,
+        group=data.group,
+        modulus=data.modulus,
+        delay=data.delay,
+        task_vocab_size=data.task_vocab_size,
+    )
