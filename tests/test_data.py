@@ -42,7 +42,9 @@ def test_examples_are_a_function_of_index_and_splits_differ():
     val = task.batch("validation", step=3, batch_size=8)["inputs"]
     train_rows = {tuple(r) for r in task.examples("train", np.arange(512))["inputs"]}
     assert not any(tuple(r) in train_rows for r in val)
-    assert not np.array_equal(whole, SyntheticTask("word_problem", seq_len=16, seed=1, group="S5").batch("train", 3, 8)["inputs"])
+    assert not np.array_equal(
+        whole, SyntheticTask("word_problem", seq_len=16, seed=1, group="S5").batch("train", 3, 8)["inputs"]
+    )
 
 
 def test_unknown_group_is_a_config_error():
@@ -55,3 +57,28 @@ def test_composition_matches_itertools_definition():
     elements = group_elements("S3")
     for (i, a), (j, b) in itertools.product(enumerate(elements), repeat=2):
         assert elements[table[i, j]] == compose(a, b)
+
+
+def test_modular_sum_and_parity_targets():
+    for modulus in (2, 5):
+        task = SyntheticTask("modular_sum", seq_len=20, seed=1, modulus=modulus)
+        batch = task.examples("train", np.arange(8))
+        for inputs, targets in zip(batch["inputs"], batch["targets"]):
+            assert inputs.max() < modulus
+            assert [int(t) for t in targets] == [sum(int(x) for x in inputs[: t + 1]) % modulus for t in range(20)]
+
+
+def test_delayed_recall_targets_and_mask():
+    task = SyntheticTask("delayed_recall", seq_len=12, seed=2, delay=3, task_vocab_size=7)
+    batch = task.examples("validation", np.arange(5))
+    for inputs, targets, weights in zip(batch["inputs"], batch["targets"], batch["weights"]):
+        assert list(weights[:3]) == [0, 0, 0] and all(weights[3:] == 1)
+        assert all(targets[t] == inputs[t - 3] for t in range(3, 12))
+    assert task.vocab_size == 7
+
+
+def test_splits_are_disjoint_by_content_even_for_tiny_spaces():
+    task = SyntheticTask("modular_sum", seq_len=6, seed=0, modulus=2)  # only 64 distinct sequences
+    train = {tuple(r) for r in task.examples("train", np.arange(300))["inputs"]}
+    val = {tuple(r) for r in task.examples("validation", np.arange(300))["inputs"]}
+    assert train and val and not train & val

@@ -172,6 +172,10 @@ def batch_iterator(batches: StepBatches, start_step: int, num_workers: int = 0, 
     steps = grain.MapDataset.range(start_step, 2**62).map(batches)
     dataset = steps.to_iter_dataset()
     if num_workers > 0:
+        from absl import flags
+
+        if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; library callers never parse any
+            flags.FLAGS.mark_as_parsed()
         dataset = dataset.mp_prefetch(
             grain.MultiprocessingOptions(num_workers=num_workers, per_worker_buffer_size=prefetch)
         )

@@ -180,9 +180,12 @@ class PackedRecords:
     def __len__(self) -> int:
         return len(self._records)
 
+    def _record(self, index: int) -> np.ndarray:
+        """(2, seq_len + 1): token ids and segment ids."""
+        return np.frombuffer(self._records[int(index)], np.int32).reshape(2, self.seq_len + 1)
+
     def example(self, index: int) -> dict[str, np.ndarray]:
-        record = np.frombuffer(self._records[int(index)], np.int32).reshape(2, self.seq_len + 1)
-        return record_to_example(record)
+        return record_to_example(self._record(index))
 
     def __getstate__(self) -> dict[str, Any]:
         return {"directory": self.directory, "split": self.split}
