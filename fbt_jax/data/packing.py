@@ -39,25 +39,30 @@ def pack_documents(documents: Iterable[np.ndarray], seq_len: int) -> Iterator[np
 
 
 def segment_positions(segment_ids: np.ndarray) -> np.ndarray:
-    """Position of each token within its segment (restarting at 0 at every boundary)."""
-    index = np.arange(segment_ids.shape[-1])
-    starts = np.concatenate([[True], segment_ids[1:] != segment_ids[:-1]])
-    start_index = np.maximum.accumulate(np.where(starts, index, 0))
+    """Position of each token within its segment (restarting at 0 at every boundary); (..., T)."""
+    index = np.broadcast_to(np.arange(segment_ids.shape[-1]), segment_ids.shape)
+    starts = np.ones(segment_ids.shape, bool)
+    starts[..., 1:] = segment_ids[..., 1:] != segment_ids[..., :-1]
+    start_index = np.maximum.accumulate(np.where(starts, index, 0), axis=-1)
     return (index - start_index).astype(np.int32)
 
 
-def record_to_example(record: np.ndarray) -> dict[str, np.ndarray]:
-    """Inputs, targets, loss weights, segment ids and positions (each (T,)) of one record.
-
-    A target counts only inside one document: never across a boundary, never on padding.
-    """
-    tokens, segments = record[0], record[1]
-    in_segments = segments[:-1]
-    weights = (segments[1:] == in_segments) & (in_segments > 0)
+def records_to_examples(records: np.ndarray) -> dict[str, np.ndarray]:
+    """Inputs, targets, loss weights, segment ids and positions, each (..., T), of records
+    (..., 2, T + 1). A target counts only inside one document: never across a boundary, never
+    on padding."""
+    tokens, segments = records[..., 0, :], records[..., 1, :]
+    in_segments = segments[..., :-1]
+    weights = (segments[..., 1:] == in_segments) & (in_segments > 0)
     return {
-        "inputs": tokens[:-1].copy(),
-        "targets": tokens[1:].copy(),
+        "inputs": np.ascontiguousarray(tokens[..., :-1]),
+        "targets": np.ascontiguousarray(tokens[..., 1:]),
         "weights": weights.astype(np.float32),
-        "segment_ids": in_segments.copy(),
+        "segment_ids": np.ascontiguousarray(in_segments),
         "positions": segment_positions(in_segments),
     }
+
+
+def record_to_example(record: np.ndarray) -> dict[str, np.ndarray]:
+    """`records_to_examples` for one record (2, T + 1)."""
+    return records_to_examples(record)

@@ -150,11 +150,7 @@ class StepBatches:
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         global_indices = step * self.batch_size + np.asarray(self.rows, np.int64)
-        indices = self.record_indices(global_indices)
-        if isinstance(self.source, records.PackedRecords):
-            examples = [self.source.example(i) for i in indices]
-            return {key: np.stack([ex[key] for ex in examples]) for key in examples[0]}
-        return self.source.examples(indices)
+        return self.source.examples(self.record_indices(global_indices))
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
@@ -170,7 +166,9 @@ def batch_iterator(batches: StepBatches, start_step: int, num_workers: int = 0, 
     import grain
 
     steps = grain.MapDataset.range(start_step, 2**62).map(batches)
-    dataset = steps.to_iter_dataset()
+    # One element is a whole batch, so grain's per-element read threads (16 by default) only add
+    # contention (≈ 0.2 ms per batch on 2 cores); parallelism comes from the prefetch below.
+    dataset = steps.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
     if num_workers > 0:
         from absl import flags
 

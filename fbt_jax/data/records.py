@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from fbt_jax.data.packing import pack_documents, record_to_example
+from fbt_jax.data.packing import pack_documents, record_to_example, records_to_examples
 from fbt_jax.data.tokenizers import load_tokenizer
 from fbt_jax.errors import ConfigError
 
@@ -186,6 +186,12 @@ class PackedRecords:
 
     def example(self, index: int) -> dict[str, np.ndarray]:
         return record_to_example(self._record(index))
+
+    def examples(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        """A batch of examples, each key (len(indices), T), read in one batched lookup."""
+        raw = self._records.__getitems__([int(i) for i in indices])
+        stacked = np.frombuffer(b"".join(raw), np.int32).reshape(len(raw), 2, self.seq_len + 1)
+        return records_to_examples(stacked)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"directory": self.directory, "split": self.split}
