@@ -148,12 +148,11 @@ class SyntheticTask:
 
 
 def make_task(config) -> SyntheticTask:
-    """The task named by `config.data`, validated (one-line errors)."""
+    """The task named by `config.data`, validated (one-line errors; seq_len is checked by the
+    pipeline's validate_data for every source)."""
     data = config.data
     if data.task not in TASKS:
         raise ConfigError(f"data.task={data.task!r} is unknown; use one of {TASKS}")
-    if data.seq_len < 2:
-        raise ConfigError(f"data.seq_len={data.seq_len} is too short; use at least 2 tokens")
     if data.task == "word_problem":
         group_elements(data.group)  # validates the name
     if data.task == "modular_sum" and data.modulus < 2:
