@@ -107,6 +107,14 @@ def default_config() -> ml_collections.ConfigDict:
     c.distributed.num_processes = 0
     c.distributed.process_id = -1
 
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every_steps = 1000  # 0 turns checkpointing (and resuming) off
+    c.checkpoint.max_to_keep = 3
+    c.checkpoint.keep_every = 0  # also keep every N-th step's checkpoint for good (0: none)
+    c.checkpoint.async_save = True
+    c.checkpoint.dir = ""  # "" = <workdir>/checkpoints; local or gs://
+    c.init_from = ""  # a run (workdir or checkpoint dir) to take initial parameters from
+
     c.dry_run = False
     c.dry_run_devices = 0  # >0: simulate this many CPU devices for the dry run (a pod-sized mesh)
 
@@ -252,6 +260,10 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
         e.batch_size >= 1 and e.batch_size % dp == 0,
         f"eval.batch_size={e.batch_size} must be a positive multiple of the data-parallel size {dp}",
     )
+    k = config.checkpoint
+    _require(k.every_steps >= 0, f"checkpoint.every_steps={k.every_steps} is negative; use 0 to turn checkpoints off")
+    _require(k.max_to_keep >= 1, f"checkpoint.max_to_keep={k.max_to_keep} must be at least 1")
+    _require(k.keep_every >= 0, f"checkpoint.keep_every={k.keep_every} is negative; use 0 for none")
     _require(
         config.distributed.mode in ("auto", "always", "never"),
         f"distributed.mode={config.distributed.mode!r} is unknown; use auto, always or never",

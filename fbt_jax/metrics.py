@@ -17,7 +17,7 @@ TENSORBOARD_DIR = "tensorboard"
 
 
 class MetricsWriter:
-    def __init__(self, workdir: str):
+    def __init__(self, workdir: str, resume_step: int = 0):
         self.enabled = jax.process_index() == 0
         self.paths = {stream: os.path.join(workdir, name) for stream, name in STREAM_FILES.items()}
         self.tensorboard_dir = os.path.join(workdir, TENSORBOARD_DIR)
@@ -28,8 +28,13 @@ class MetricsWriter:
             from tensorboardX import SummaryWriter
 
             os.makedirs(workdir, exist_ok=True)
+            for path in self.paths.values():
+                _truncate_after(path, resume_step)
             self._files = {stream: open(path, "a", encoding="utf-8") for stream, path in self.paths.items()}
-            self._tb = SummaryWriter(self.tensorboard_dir, flush_secs=10)
+            # purge_step drops TensorBoard events a killed run logged after the checkpoint it resumes.
+            self._tb = SummaryWriter(
+                self.tensorboard_dir, flush_secs=10, purge_step=resume_step + 1 if resume_step else None
+            )
 
     def write(self, step: int, scalars: dict[str, Any], stream: str = "train") -> None:
         if not self.enabled:
@@ -47,6 +52,16 @@ class MetricsWriter:
             for f in self._files.values():
                 f.close()
             self._tb.close()
+
+
+def _truncate_after(path: str, step: int) -> None:
+    """Keep the lines of steps <= `step`: a resumed run rewrites what came after its checkpoint."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(lines)
 
 
 def _plain(value: Any) -> Any:

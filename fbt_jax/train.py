@@ -12,8 +12,10 @@ import dataclasses
 import functools
 import json
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from typing import Any
 
@@ -24,7 +26,7 @@ import numpy as np
 import optax
 from flax import nnx, struct
 
-from fbt_jax import distributed, sharding
+from fbt_jax import checkpoint, distributed, sharding
 from fbt_jax.config import validate_config
 from fbt_jax.data.pipeline import StepBatches, batch_iterator, make_source
 from fbt_jax.errors import ConfigError
@@ -299,11 +301,27 @@ class Trainer:
             results[f"accuracy_K{k}"] = totals[f"correct_{k}"] / max(totals[f"weight_{k}"], 1e-8)
         return results
 
+    def restore_or_init(self, checkpointer: checkpoint.Checkpointer | None) -> int:
+        """Resume from the newest valid checkpoint, else initialise (optionally from init_from).
+        Returns the step training starts at."""
+        if checkpointer is not None:
+            abstract = self._abstract(self.abstract_state, self.state_shardings)
+            restored = checkpointer.restore_latest(abstract, self.config)
+            if restored is not None:
+                self.state, step = restored
+                self.log(f"resuming from checkpoint {checkpointer.directory}/{step} (step {step})")
+                return step
+        self.init_state()
+        if self.config.init_from:
+            abstract_params = self._abstract(self.abstract_state.params, self.state_shardings.params)
+            params = checkpoint.load_params(self.config.init_from, abstract_params, self.config, self.log)
+            self.state = self.state.replace(params=params)
+        return 0
+
     def train(self, progress: bool = True) -> dict[str, Any]:
         cfg = self.config
         workdir = cfg.workdir
         steps, batch_size, seq_len = cfg.train.steps, cfg.train.batch_size, cfg.data.seq_len
-        distributed.check_schedule_agreement(self.schedule, 0, steps)
         if jax.process_index() == 0:
             try:
                 os.makedirs(workdir, exist_ok=True)
@@ -311,7 +329,15 @@ class Trainer:
                 raise ConfigError(
                     f"workdir={workdir!r} cannot be created ({err}); choose a writable directory"
                 ) from None
-            _set_aside_previous_outputs(workdir, self.log)
+        checkpointer = None
+        if cfg.checkpoint.every_steps > 0:
+            directory = cfg.checkpoint.dir or os.path.join(workdir, "checkpoints")
+            checkpointer = checkpoint.Checkpointer(directory, cfg.checkpoint, self.log)
+        start_step = self.restore_or_init(checkpointer)
+        distributed.check_schedule_agreement(self.schedule, start_step, steps)
+        if jax.process_index() == 0:
+            if start_step == 0:
+                _set_aside_previous_outputs(workdir, self.log)
             with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
                 f.write(cfg.to_json_best_effort(indent=2))
         _write_process_info(self, workdir)
@@ -322,18 +348,18 @@ class Trainer:
         )
         self.log(self.schedule.describe(steps))
         compile_report = self.compile()
-        self.init_state()
-        writer = MetricsWriter(workdir)
-        bar = _progress_bar(steps, enabled=progress and jax.process_index() == 0)
+        writer = MetricsWriter(workdir, resume_step=start_step)
+        bar = _progress_bar(steps, enabled=progress and jax.process_index() == 0, initial=start_step)
         start_time = interval_start = time.perf_counter()
         eval_results: dict[str, float] = {}
         previous_k = None
         pending: list[tuple[int, dict[str, jax.Array]]] = []  # (K, device metrics) since the last log
         shown = ""
         d = cfg.data
-        batches = batch_iterator(self.step_batches("train", batch_size), 0, d.num_workers, d.prefetch)
+        batches = batch_iterator(self.step_batches("train", batch_size), start_step, d.num_workers, d.prefetch)
+        preemption = PreemptionWatcher()
         try:
-            for step in range(steps):
+            for step in range(start_step, steps):
                 k = self.schedule.num_passes(step)
                 if k != previous_k:
                     distributed.check_step_agreement(step, k)
@@ -344,7 +370,10 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix_str(f"K={k}{shown}", refresh=False)
                 last = step + 1 == steps
-                if (step + 1) % cfg.train.log_every == 0 or last:
+                if checkpointer is not None:
+                    checkpointer.save(step + 1, self.state, cfg, force=last)
+                stopping = preemption.should_stop(step + 1, checkpointer)
+                if (step + 1) % cfg.train.log_every == 0 or last or stopping:
                     record = interval_metrics(jax.device_get(pending))  # one transfer per interval
                     now = time.perf_counter()
                     record["tokens_per_second"] = len(pending) * batch_size * seq_len / (now - interval_start)
@@ -357,6 +386,10 @@ class Trainer:
                             f"{writer.paths['train']}. Lower optimizer.learning_rate or set optimizer.grad_clip_norm"
                         )
                     interval_start = time.perf_counter()
+                if stopping:
+                    checkpointer.save(step + 1, self.state, cfg, force=True)
+                    checkpointer.wait()
+                    raise Preempted(f"stopped at step {step + 1} on request; saved {checkpointer.directory}/{step + 1}")
                 if self.eval_program is not None and (
                     last or (cfg.eval.every_steps and (step + 1) % cfg.eval.every_steps == 0)
                 ):
@@ -364,13 +397,20 @@ class Trainer:
                     eval_results = self.evaluate()
                     writer.write(step + 1, eval_results, stream="eval")
                     interval_start += time.perf_counter() - eval_start  # tokens/s counts training only
+            if start_step >= steps and self.eval_program is not None:
+                eval_results = self.evaluate()  # resumed a finished run: report its eval again
         finally:
+            preemption.close()
             bar.close()
             writer.close()
             if hasattr(batches, "close"):
                 batches.close()  # stops prefetch threads / worker processes
+            if checkpointer is not None:
+                checkpointer.wait()  # a save in flight must land before the process exits
+                checkpointer.close()
         summary = {
             "steps": steps,
+            "start_step": start_step,
             "train_seconds": time.perf_counter() - start_time,
             "compile": compile_report,
             "eval": eval_results,
@@ -381,12 +421,45 @@ class Trainer:
                 "eval": writer.paths["eval"],
                 "tensorboard": writer.tensorboard_dir,
                 "config": os.path.join(workdir, "config.json"),
+                "checkpoints": str(checkpointer.directory) if checkpointer is not None else "",
             },
         }
         if jax.process_index() == 0:
             with open(os.path.join(workdir, "summary.json"), "w", encoding="utf-8") as f:
                 json.dump(summary, f, indent=2)
         return summary
+
+
+class Preempted(RuntimeError):
+    """The run stopped early on SIGTERM / a preemption notice, after saving a checkpoint."""
+
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again" — rerunning the same command resumes
+
+
+class PreemptionWatcher:
+    """Turns SIGTERM (single process) or JAX's preemption sync point (multi-host: every process
+    stops at the same step) into a request to save and stop after the current step."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def should_stop(self, step: int, checkpointer: Any) -> bool:
+        if checkpointer is None:
+            return False
+        if jax.process_count() > 1:
+            return checkpointer.manager.reached_preemption(step)
+        return self.requested
+
+    def close(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
 
 
 def interval_metrics(pending: list[tuple[int, dict[str, Any]]]) -> dict[str, float]:
@@ -455,10 +528,10 @@ def _set_aside_previous_outputs(workdir: str, log: Any) -> None:
             log(f"kept earlier run's {name} as previous-{stamp}-{name}")
 
 
-def _progress_bar(total: int, enabled: bool) -> Any:
+def _progress_bar(total: int, enabled: bool, initial: int = 0) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, disable=not enabled, unit="step", dynamic_ncols=True, file=sys.stderr)
+    return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True, file=sys.stderr)
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -502,6 +575,8 @@ def main(argv: list[str]) -> None:
         _fail(f"training diverged: {err}", 3)
     except distributed.ProcessMismatchError as err:
         _fail(f"processes disagree: {err}", 4)
+    except Preempted as err:
+        _fail(f"preempted: {err}; run the same command again to resume", PREEMPTED_EXIT_CODE)
     if jax.process_index() == 0:
         print(format_summary(summary))
 

@@ -132,6 +132,7 @@ def test_training_is_reproducible(tmp_path):
 def test_a_second_run_keeps_the_first_runs_logs(tmp_path):
     config = small_run_config(tmp_path, "same")
     config.train.steps = 2
+    config.checkpoint.every_steps = 0  # no checkpoint to resume from: the second run starts afresh
     for _ in range(2):
         Trainer(config, log=lambda *_: None).train(progress=False)
     kept = glob.glob(os.path.join(config.workdir, "previous-*-metrics.jsonl"))
