@@ -41,6 +41,7 @@ class Checkpointer:
             max_to_keep=int(cfg.max_to_keep) or None,
             keep_period=int(cfg.keep_every) or None,
             enable_async_checkpointing=bool(cfg.async_save),
+            enable_background_delete=True,  # retention deletes off the training thread
             create=True,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
