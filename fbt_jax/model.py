@@ -152,20 +152,46 @@ class Attention(nnx.Module):
         self.rope_theta = cfg.rope_theta
 
     def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, mask_B1TT: jax.Array) -> jax.Array:
+        q_BTNH, k_BTKH, v_BTKH = self._project(x_BTD, positions_BT)
+        return self._attend(q_BTNH, k_BTKH, v_BTKH, mask_B1TT)
+
+    def cached(
+        self,
+        x_BTD: jax.Array,
+        positions_BT: jax.Array,
+        mask_B1TS: jax.Array,
+        k_BSKH: jax.Array,
+        v_BSKH: jax.Array,
+        write_index_B: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Attention over a KV cache: writes this call's keys/values at each row's `write_index`
+        (rows may be at different lengths), then attends over the whole cache under `mask`."""
+        q_BTNH, k_BTKH, v_BTKH = self._project(x_BTD, positions_BT)
+
+        def write(cache_SKH: jax.Array, new_TKH: jax.Array, index: jax.Array) -> jax.Array:
+            return jax.lax.dynamic_update_slice(cache_SKH, new_TKH.astype(cache_SKH.dtype), (index, 0, 0))
+
+        k_BSKH = jax.vmap(write)(k_BSKH, k_BTKH, write_index_B)
+        v_BSKH = jax.vmap(write)(v_BSKH, v_BTKH, write_index_B)
+        return self._attend(q_BTNH, k_BSKH.astype(x_BTD.dtype), v_BSKH.astype(x_BTD.dtype), mask_B1TS), k_BSKH, v_BSKH
+
+    def _project(self, x_BTD: jax.Array, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         cd = x_BTD.dtype
         q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.q_DNH[...].astype(cd))
         k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.k_DKH[...].astype(cd))
         v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.v_DKH[...].astype(cd))
-        q_BTNH = rotary(q_BTNH, positions_BT, self.rope_theta)
-        k_BTKH = rotary(k_BTKH, positions_BT, self.rope_theta)
+        return rotary(q_BTNH, positions_BT, self.rope_theta), rotary(k_BTKH, positions_BT, self.rope_theta), v_BTKH
+
+    def _attend(self, q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, mask_B1TS: jax.Array) -> jax.Array:
+        cd = q_BTNH.dtype
         B, T, N, H = q_BTNH.shape
         acc = at_least_f32(cd)
         # Query head n uses kv head n // num_groups: split N into (K, G) instead of repeating KV.
         q_BTKGH = q_BTNH.reshape(B, T, N // self.num_groups, self.num_groups, H)
-        scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BTKH, preferred_element_type=acc) * (H**-0.5)
-        scores_BKGTS = jnp.where(mask_B1TT[:, :, None], scores_BKGTS, jnp.finfo(acc).min)
+        scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=acc) * (H**-0.5)
+        scores_BKGTS = jnp.where(mask_B1TS[:, :, None], scores_BKGTS, jnp.finfo(acc).min)
         probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(cd)
-        out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BTKH)
+        out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BSKH)
         out_BTNH = out_BTKGH.reshape(B, T, N, H)
         return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_NHD[...].astype(cd))
 
@@ -203,6 +229,21 @@ class Block(nnx.Module):
     def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, mask_B1TT: jax.Array) -> jax.Array:
         x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, mask_B1TT)
         return x_BTD + self.mlp(self.mlp_norm(x_BTD))
+
+    def cached(
+        self,
+        x_BTD: jax.Array,
+        positions_BT: jax.Array,
+        mask_B1TS: jax.Array,
+        k_BSKH: jax.Array,
+        v_BSKH: jax.Array,
+        write_index_B: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        attn_BTD, k_BSKH, v_BSKH = self.attn.cached(
+            self.attn_norm(x_BTD), positions_BT, mask_B1TS, k_BSKH, v_BSKH, write_index_B
+        )
+        x_BTD = x_BTD + attn_BTD
+        return x_BTD + self.mlp(self.mlp_norm(x_BTD)), k_BSKH, v_BSKH
 
 
 class FBTransformer(nnx.Module):
@@ -264,6 +305,36 @@ class FBTransformer(nnx.Module):
             for block in self.blocks:
                 x_BTD = self._constrain(apply(block, x_BTD, positions_BT, mask_B1TT))
         return self.final_norm(x_BTD)
+
+    def stack_cached(
+        self, u_BTD: jax.Array, k_LBSKH: jax.Array, v_LBSKH: jax.Array, write_index_B: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """F over T new positions per row, continuing a KV cache (decoding).
+
+        Row b's new positions are write_index[b] … write_index[b] + T − 1; each attends to the cache
+        up to itself. Returns the top states and the updated caches (layers stacked on axis 0).
+        """
+        T, S = u_BTD.shape[1], k_LBSKH.shape[2]
+        positions_BT = write_index_B[:, None] + jnp.arange(T, dtype=jnp.int32)
+        mask_B1TS = (jnp.arange(S)[None, None, :] <= positions_BT[:, :, None])[:, None]
+        x_BTD = u_BTD.astype(self.compute_dtype)
+        if self.cfg.scan_layers:
+
+            @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0, 0))
+            def scan_blocks(x_BTD: jax.Array, block: Block, k_BSKH: jax.Array, v_BSKH: jax.Array):
+                return block.cached(x_BTD, positions_BT, mask_B1TS, k_BSKH, v_BSKH, write_index_B)
+
+            x_BTD, k_LBSKH, v_LBSKH = scan_blocks(x_BTD, self.blocks, k_LBSKH, v_LBSKH)
+        else:
+            ks, vs = [], []
+            for i, block in enumerate(self.blocks):
+                x_BTD, k_BSKH, v_BSKH = block.cached(
+                    x_BTD, positions_BT, mask_B1TS, k_LBSKH[i], v_LBSKH[i], write_index_B
+                )
+                ks.append(k_BSKH)
+                vs.append(v_BSKH)
+            k_LBSKH, v_LBSKH = jnp.stack(ks), jnp.stack(vs)
+        return self.final_norm(x_BTD), k_LBSKH, v_LBSKH
 
     def _constrain(self, x_BTD: jax.Array) -> jax.Array:
         if self.layout is None:
