@@ -116,6 +116,58 @@ def check_compatible(meta: dict[str, Any], config: ml_collections.ConfigDict, wh
         )
 
 
+def load_model(path: str, log: Any = print) -> tuple[Any, ml_collections.ConfigDict]:
+    """The model of a run (its workdir or checkpoint directory) with its newest valid parameters,
+    built from the config recorded in the checkpoint; for decoding and evaluation."""
+    from flax import nnx
+
+    from fbt_jax.model import ModelConfig, abstract_model
+
+    root = epath.Path(path)
+    directory = root / "checkpoints" if (root / "checkpoints").exists() else root
+    if not directory.exists():
+        raise ConfigError(f"--checkpoint={path!r} does not exist; give a run's workdir or its checkpoints directory")
+    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False, read_only=True))
+    try:
+        steps = sorted(manager.all_steps(), reverse=True)
+        for step in steps:
+            try:
+                meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+                break
+            except DAMAGE:
+                continue
+        else:
+            raise ConfigError(f"--checkpoint={path!r} holds no checkpoint; train with checkpoint.every_steps > 0 first")
+    finally:
+        manager.close()
+    config = _config_from_record(meta["config"])
+    model = abstract_model(ModelConfig.from_config(config.model))
+    graphdef, abstract = nnx.split(model, nnx.Param)
+    one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device), abstract)
+    params = load_params(str(directory), abstract, config, log)
+    return nnx.merge(graphdef, params), config
+
+
+def _config_from_record(record: dict[str, Any]) -> ml_collections.ConfigDict:
+    """A full config from the JSON a checkpoint recorded (defaults for fields added since)."""
+    from fbt_jax.config import default_config
+
+    config = default_config()
+
+    def apply(section: ml_collections.ConfigDict, values: dict[str, Any]) -> None:
+        for key, value in values.items():
+            if key not in section:
+                continue
+            if isinstance(section[key], ml_collections.ConfigDict):
+                apply(section[key], value)
+            else:
+                section[key] = tuple(value) if isinstance(section[key], tuple) else value
+
+    apply(config, record)
+    return config
+
+
 def load_params(path: str, abstract_params: Any, config: ml_collections.ConfigDict, log: Any = print) -> Any:
     """Parameters only (no optimizer state, no step) of the newest valid checkpoint under `path`
     (a run's workdir or its checkpoint directory), for `init_from`."""
