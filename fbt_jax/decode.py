@@ -13,11 +13,12 @@ each row continues from its own length.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import struct
+from flax import nnx, struct
 
 from fbt_jax.errors import ConfigError
 from fbt_jax.feedback import default_positions, feedback_inputs
@@ -126,7 +127,19 @@ def generate(
     a row stops after emitting a stop token (which is included), the rest of it is zeros."""
     cache_len = cache_len or prompts_BP.shape[1] + max_new_tokens
     check_request(model, prompts_BP, lengths_B, cache_len - max_new_tokens, mode)  # room left for the prompt
-    state = prefill(model, jnp.asarray(prompts_BP), jnp.asarray(lengths_B), cache_len, mode, prefill_passes)
+    graphdef, params = nnx.split(model)
+    settings = (max_new_tokens, mode, cache_len, prefill_passes, temperature, top_k, top_p, tuple(stop_tokens))
+    return _generate(graphdef, settings, params, jnp.asarray(prompts_BP), jnp.asarray(lengths_B), jnp.int32(seed))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _generate(
+    graphdef: Any, settings: tuple, params: Any, prompts_BP: jax.Array, lengths_B: jax.Array, seed: jax.Array
+):
+    """Prefill and the whole sampling loop as one compiled program (one per settings)."""
+    max_new_tokens, mode, cache_len, prefill_passes, temperature, top_k, top_p, stop_tokens = settings
+    model = nnx.merge(graphdef, params)
+    state = prefill(model, prompts_BP, lengths_B, cache_len, mode, prefill_passes)
     stops = jnp.asarray(stop_tokens or (-1,), jnp.int32)
     B = prompts_BP.shape[0]
 
