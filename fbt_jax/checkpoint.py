@@ -123,10 +123,7 @@ def load_model(path: str, log: Any = print) -> tuple[Any, ml_collections.ConfigD
 
     from fbt_jax.model import ModelConfig, abstract_model
 
-    root = epath.Path(path)
-    directory = root / "checkpoints" if (root / "checkpoints").exists() else root
-    if not directory.exists():
-        raise ConfigError(f"--checkpoint={path!r} does not exist; give a run's workdir or its checkpoints directory")
+    directory = _run_checkpoints(path, "--checkpoint")
     manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False, read_only=True))
     try:
         steps = sorted(manager.all_steps(), reverse=True)
@@ -147,6 +144,15 @@ def load_model(path: str, log: Any = print) -> tuple[Any, ml_collections.ConfigD
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device), abstract)
     params = load_params(str(directory), abstract, config, log)
     return nnx.merge(graphdef, params), config
+
+
+def _run_checkpoints(path: str, flag: str) -> epath.Path:
+    """The checkpoint directory of a run given by its workdir or by the directory itself."""
+    root = epath.Path(path)
+    directory = root / "checkpoints" if (root / "checkpoints").exists() else root
+    if not directory.exists():
+        raise ConfigError(f"{flag}={path!r} does not exist; give a run's workdir or its checkpoints directory")
+    return directory
 
 
 def _config_from_record(record: dict[str, Any]) -> ml_collections.ConfigDict:
@@ -171,10 +177,7 @@ def _config_from_record(record: dict[str, Any]) -> ml_collections.ConfigDict:
 def load_params(path: str, abstract_params: Any, config: ml_collections.ConfigDict, log: Any = print) -> Any:
     """Parameters only (no optimizer state, no step) of the newest valid checkpoint under `path`
     (a run's workdir or its checkpoint directory), for `init_from`."""
-    root = epath.Path(path)
-    directory = root / "checkpoints" if (root / "checkpoints").exists() else root
-    if not directory.exists():
-        raise ConfigError(f"init_from={path!r} does not exist; give a run's workdir or its checkpoints directory")
+    directory = _run_checkpoints(path, "init_from")
     manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False, read_only=True))
     try:
         for step in sorted(manager.all_steps(), reverse=True):
