@@ -10,6 +10,7 @@ Paths may be local or `gs://…` (orbax's path library, etils.epath, handles bot
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from typing import Any
@@ -32,6 +33,13 @@ def model_signature(config: ml_collections.ConfigDict) -> dict[str, Any]:
     return {k: v for k, v in config.model.to_dict().items() if k not in RUNTIME_ONLY_MODEL_FIELDS}
 
 
+def state_layout(state: Any) -> str:
+    """A digest of the train state's tree structure, shapes and dtypes (model + optimizer)."""
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    text = ";".join(f"{jax.tree_util.keystr(p)}:{tuple(x.shape)}:{x.dtype}" for p, x in leaves)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
 class Checkpointer:
     def __init__(self, directory: str, cfg: ml_collections.ConfigDict, log: Any = print):
         self.directory = epath.Path(directory)
@@ -45,15 +53,24 @@ class Checkpointer:
             create=True,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self.last_saved: int | None = None  # a step is saved once, even if asked again (preemption)
 
     def save(self, step: int, state: Any, config: ml_collections.ConfigDict, force: bool = False) -> bool:
         """Start saving `state` at `step` (asynchronously); returns whether a save started."""
-        if not force and (not self.every_steps or step % self.every_steps):
+        if step == self.last_saved or (not force and (not self.every_steps or step % self.every_steps)):
             return False
-        meta = {"step": step, "model": model_signature(config), "config": json.loads(config.to_json_best_effort())}
-        return self.manager.save(
+        meta = {
+            "step": step,
+            "model": model_signature(config),
+            "state_layout": state_layout(state),
+            "config": json.loads(config.to_json_best_effort()),
+        }
+        saved = self.manager.save(
             step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force
         )
+        if saved:
+            self.last_saved = step
+        return saved
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -77,7 +94,7 @@ class Checkpointer:
             except DAMAGE as err:
                 self._set_aside(step, err)
                 continue
-            check_compatible(meta, config, f"{self.directory}/{step}")
+            check_compatible(meta, config, f"{self.directory}/{step}", state_layout(abstract_state))
             try:
                 restored = self.manager.restore(
                     step,
@@ -96,13 +113,21 @@ class Checkpointer:
         aside = self.directory / f"{step}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
         if jax.process_index() == 0:
             (self.directory / str(step)).rename(aside)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"fbt-checkpoint-set-aside-{step}")  # all see the same steps
         self.log(
             f"warning: checkpoint {self.directory}/{step} is damaged ({reason}); moved it to {aside}, trying the previous one"
         )
         self.manager.reload()
 
 
-def check_compatible(meta: dict[str, Any], config: ml_collections.ConfigDict, where: str) -> None:
+def check_compatible(
+    meta: dict[str, Any], config: ml_collections.ConfigDict, where: str, layout: str | None = None
+) -> None:
+    """ConfigError unless the checkpoint's model (and, given `layout`, its whole train state
+    including the optimizer's) matches the current config: such a checkpoint is not damaged."""
     saved, current = meta.get("model", {}), model_signature(config)
     differences = [
         f"model.{k}: checkpoint {saved.get(k)!r}, config {current.get(k)!r}"
@@ -113,6 +138,17 @@ def check_compatible(meta: dict[str, Any], config: ml_collections.ConfigDict, wh
         raise ConfigError(
             f"the checkpoint {where} was written by a different model ({'; '.join(differences)}); use a new workdir, "
             "or the original model settings to resume"
+        )
+    if layout is not None and meta.get("state_layout") not in (None, layout):
+        saved_opt = meta.get("config", {}).get("optimizer", {})
+        changed = [
+            f"optimizer.{k}: checkpoint {saved_opt.get(k)!r}, config {v!r}"
+            for k, v in config.optimizer.to_dict().items()
+            if saved_opt.get(k) != v
+        ]
+        raise ConfigError(
+            f"the checkpoint {where} holds a train state of another layout ({'; '.join(changed) or 'optimizer structure differs'}); "
+            "resume with the original optimizer settings, or start a new run with --config.init_from to keep only the parameters"
         )
 
 
@@ -190,6 +226,8 @@ def load_params(path: str, abstract_params: Any, config: ml_collections.ConfigDi
                         state=ocp.args.PyTreeRestore(item={"params": abstract_params}, partial_restore=True)
                     ),
                 )["state"]
+            except ConfigError:
+                raise  # an incompatible model is the user's to fix, not a damaged checkpoint
             except DAMAGE as err:
                 log(f"warning: skipping damaged checkpoint {directory}/{step} ({type(err).__name__})")
                 continue

@@ -30,18 +30,21 @@ def depth_sweep(model: Any, batch: dict[str, np.ndarray], max_depth: int, fuse_f
     """Loss and relative state change after each of passes 1 … max_depth (one compile)."""
     tokens = jnp.asarray(batch["inputs"])
     targets, weights = jnp.asarray(batch["targets"]), jnp.asarray(batch["weights"])
-    positions = default_positions(tokens.shape)
+    # Packed text carries per-document positions and segment ids: attention and feedback stay
+    # inside each document (fusion starts at `fuse_from` within every document).
+    positions = jnp.asarray(batch["positions"]) if "positions" in batch else default_positions(tokens.shape)
+    segments = jnp.asarray(batch["segment_ids"]) if "segment_ids" in batch else None
     fuse_from_B = jnp.full((tokens.shape[0],), fuse_from, jnp.int32)
 
     @jax.jit
     def run() -> tuple[jax.Array, jax.Array]:
         e = model.embed(tokens)
-        h0 = model.stack(e, positions)
+        h0 = model.stack(e, positions, segments)
         nll, weight = token_nll(model.logits(h0), targets, weights)
 
         def body(k: jax.Array, carry: tuple) -> tuple:
             h, losses, changes = carry
-            h_next = model.stack(feedback_inputs(model, e, h, fuse_from_B, positions), positions)
+            h_next = model.stack(feedback_inputs(model, e, h, fuse_from_B, positions), positions, segments)
             nll, weight = token_nll(model.logits(h_next), targets, weights)
             change = jnp.linalg.norm((h_next - h).astype(jnp.float32)) / jnp.linalg.norm(h_next.astype(jnp.float32))
             return h_next, losses.at[k].set(nll / weight), changes.at[k].set(change)
@@ -181,6 +184,8 @@ def write_plots(report: dict[str, Any], output: str) -> list[str]:
     fig.savefig(paths[-1])
     plt.close(fig)
     seq = report["sequential"]
+    if "skipped" in seq:
+        return paths
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     axes[0].plot(seq["loss"])
     axes[0].set(xlabel="position", ylabel="loss", title="teacher-forced sequential feedback")
@@ -209,14 +214,24 @@ def evaluate(checkpoint_path: str, output: str, depths: int, seq_len: int, batch
     from fbt_jax.data.pipeline import make_source
 
     model, config = load_model(checkpoint_path, log)
-    config.data.seq_len = seq_len  # longer sequences than training, so depth matters
+    if config.data.source == "task":
+        config.data.seq_len = seq_len  # longer sequences than training, so depth matters
+    else:
+        log(f"prepared text keeps its records' length {config.data.seq_len} (--seq-len applies to built-in tasks)")
     source = make_source(config, "validation")
+    if len(source) < batch_size:
+        log(f"the validation split has {len(source)} examples; evaluating on all of them")
+        batch_size = len(source)
     rows = np.arange(batch_size)
     batch = source.examples(rows)
     report: dict[str, Any] = {"checkpoint": checkpoint_path, "data": config.data.to_dict()}
     sweep = depth_sweep(model, batch, depths)
     report["depth"] = {"loss": sweep["loss"].tolist(), "change": sweep["change"].tolist()}
-    report["sequential"] = {k: v.tolist() for k, v in sequential_profile(model, batch).items()}
+    if getattr(source, "packed", False):
+        # The cached decode path runs one document per row; packed rows hold several.
+        report["sequential"] = {"skipped": "packed text: the sequential profile needs one document per row"}
+    else:
+        report["sequential"] = {k: v.tolist() for k, v in sequential_profile(model, batch).items()}
     if config.data.source == "task":
         report["mode_accuracy"] = mode_accuracy(model, batch, prompt_len=max(1, seq_len // 4))
         if config.data.task in ("word_problem", "delayed_recall") and not model.cfg.scan_layers:

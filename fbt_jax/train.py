@@ -444,7 +444,9 @@ class PreemptionWatcher:
     def __init__(self) -> None:
         self.requested = False
         self._previous = None
-        if threading.current_thread() is threading.main_thread():
+        # With several processes JAX's preemption notifier owns SIGTERM (and makes every process
+        # stop at the same step); a Python handler here would swallow it.
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:

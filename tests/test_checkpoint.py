@@ -235,3 +235,37 @@ def test_two_processes_save_and_restore_together(tmp_path):
     again = losses(workdir)
     assert [again[s] for s in range(7, 13)] == [first[s] for s in range(7, 13)]
     assert_same_state(final, os.path.join(workdir, "checkpoints", "12"))
+
+
+def test_changed_optimizer_is_refused_not_mistaken_for_damage(tmp_path):
+    config = small_config(tmp_path, steps=2)
+    Trainer(config, log=lambda *_: None).train(progress=False)
+    directory = os.path.join(config.workdir, "checkpoints")
+    config.optimizer.grad_clip_norm = 0.0  # removes the clipping stage: another optimizer-state layout
+    with pytest.raises(ConfigError, match=r"another layout \(optimizer.grad_clip_norm: checkpoint 1.0, config 0.0\)"):
+        Trainer(config, log=lambda *_: None).train(progress=False)
+    assert sorted(os.listdir(directory)) == ["2"]  # nothing set aside, nothing restarted
+
+
+def test_a_step_is_saved_once_even_when_asked_twice(tmp_path):
+    from fbt_jax.checkpoint import Checkpointer
+
+    config = small_config(tmp_path, steps=2)
+    trainer = Trainer(config, log=lambda *_: None)
+    trainer.init_state()
+    checkpointer = Checkpointer(str(tmp_path / "ck"), config.checkpoint)
+    assert checkpointer.save(2, trainer.state, config)  # the regular save at a checkpoint step ...
+    assert not checkpointer.save(2, trainer.state, config, force=True)  # ... then the preemption save
+    checkpointer.wait()
+    assert checkpointer.steps() == [2]
+    checkpointer.close()
+
+
+def test_init_from_another_model_names_the_difference(tmp_path):
+    source = small_config(tmp_path, name="trunk", steps=2)
+    Trainer(source, log=lambda *_: None).train(progress=False)
+    config = small_config(tmp_path, name="wider", steps=2)
+    config.init_from = source.workdir
+    config.model.embed_dim = 128
+    with pytest.raises(ConfigError, match=r"model.embed_dim: checkpoint 64, config 128"):
+        Trainer(config, log=lambda *_: None).restore_or_init(None)
