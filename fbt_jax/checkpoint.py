@@ -10,6 +10,7 @@ Paths may be local or `gs://…` (orbax's path library, etils.epath, handles bot
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -20,13 +21,10 @@ import ml_collections
 import orbax.checkpoint as ocp
 from etils import epath
 
-from fbt_jax.errors import ConfigError
+from fbt_jax.errors import CheckpointError, ConfigError
 
 # Fields of `model` that change the parameters' structure or meaning; the rest (remat) may differ.
 RUNTIME_ONLY_MODEL_FIELDS = ("remat",)
-# Exceptions orbax and its storage raise for a damaged or partial checkpoint (seen: ValueError with
-# NOT_FOUND/OUT_OF_RANGE/DATA_LOSS, FileNotFoundError, KeyError, a misleading pytree error).
-DAMAGE = (ValueError, FileNotFoundError, KeyError, OSError, TypeError)
 
 
 def model_signature(config: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -41,6 +39,8 @@ def state_layout(state: Any) -> str:
 
 
 class Checkpointer:
+    """Saves and restores a run's train state under one directory (local or gs://)."""
+
     def __init__(self, directory: str, cfg: ml_collections.ConfigDict, log: Any = print):
         self.directory = epath.Path(directory)
         self.log = log
@@ -52,12 +52,26 @@ class Checkpointer:
             enable_background_delete=True,  # retention deletes off the training thread
             create=True,
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options)
+        except (OSError, ValueError) as err:  # e.g. the path is a file, or not writable
+            raise ConfigError(
+                f"checkpoint directory {directory} cannot be used ({_one_line(err)}); "
+                "choose a writable directory with --config.checkpoint.dir or --config.workdir"
+            ) from None
         self.last_saved: int | None = None  # a step is saved once, even if asked again (preemption)
 
+    def due(self, step: int) -> bool:
+        return bool(self.every_steps) and step % self.every_steps == 0 and step != self.last_saved
+
     def save(self, step: int, state: Any, config: ml_collections.ConfigDict, force: bool = False) -> bool:
-        """Start saving `state` at `step` (asynchronously); returns whether a save started."""
-        if step == self.last_saved or (not force and (not self.every_steps or step % self.every_steps)):
+        """Start saving `state` at `step` (asynchronously); returns whether a save started.
+
+        The caller guarantees that `state` is finite (a diverged state is never saved). A failed
+        save (disk full, no permission, quota) raises CheckpointError; the checkpoints already
+        written stay valid, because orbax makes a step visible only once it is complete.
+        """
+        if step == self.last_saved or (not force and not self.due(step)):
             return False
         meta = {
             "step": step,
@@ -65,62 +79,131 @@ class Checkpointer:
             "state_layout": state_layout(state),
             "config": json.loads(config.to_json_best_effort()),
         }
-        saved = self.manager.save(
-            step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force
-        )
+        try:
+            self.manager.check_for_errors()  # a previous asynchronous save that failed
+            saved = self.manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                force=force,
+            )
+        except Exception as err:  # any storage failure: reported as one line, the run stops
+            raise self._save_failed(step, err) from None
         if saved:
             self.last_saved = step
         return saved
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Block until the save in flight has landed; CheckpointError if it failed."""
+        try:
+            self.manager.wait_until_finished()
+            self.manager.check_for_errors()
+        except Exception as err:
+            raise self._save_failed(self.last_saved, err) from None
+
+    def check_for_errors(self) -> None:
+        """CheckpointError if an asynchronous save has failed since the last check (cheap)."""
+        try:
+            self.manager.check_for_errors()
+        except Exception as err:
+            raise self._save_failed(self.last_saved, err) from None
+
+    def _save_failed(self, step: int | None, err: Exception) -> CheckpointError:
+        valid = [s for s in self.steps() if s != step]
+        kept = (
+            f"the newest complete checkpoint, step {valid[-1]}, is intact" if valid else "no earlier checkpoint exists"
+        )
+        return CheckpointError(
+            f"saving checkpoint {step} to {self.directory} failed ({_one_line(err)}); {kept}. "
+            "Free space or fix permissions, then run the same command again to resume"
+        )
 
     def close(self) -> None:
-        self.manager.close()
+        try:
+            self.manager.close()
+        except Exception as err:
+            self.log(f"warning: closing the checkpoint manager failed ({_one_line(err)})")
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def restore_latest(self, abstract_state: Any, config: ml_collections.ConfigDict) -> tuple[Any, int] | None:
-        """The newest checkpoint that restores cleanly, or None if there is none.
+    def restore_latest(self, abstract_state: Any, config: ml_collections.ConfigDict) -> Restored | None:
+        """The newest checkpoint that restores, or None if the directory holds none.
 
-        A damaged checkpoint is reported and moved aside (renamed `<step>.damaged-<time>`, never
-        deleted) so that retention cannot count it as a valid one; the previous one is tried next.
-        A checkpoint from an incompatible model is an error, and nothing is touched.
+        A checkpoint is set aside as damaged only on evidence: an older checkpoint restored by the
+        same code, on the same mesh, from the same storage. Then every newer one that failed is
+        renamed `<step>.damaged-<time>` (never deleted), so retention cannot count it as valid.
+        If none restores, the fault is in the code, the config or the environment (memory, a
+        path, a permission), not in the checkpoints: CheckpointError, and nothing is touched.
+        A checkpoint of another model or optimizer is a ConfigError, and nothing is touched.
         """
+        failures: list[tuple[int, Exception]] = []
         for step in reversed(self.steps()):
             try:
-                meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-            except DAMAGE as err:
-                self._set_aside(step, err)
+                restored = self._restore_step(step, abstract_state, config)
+            except ConfigError:
+                raise
+            except Exception as err:  # judged below, by whether an older one restores
+                failures.append((step, err))
                 continue
-            check_compatible(meta, config, f"{self.directory}/{step}", state_layout(abstract_state))
-            try:
-                restored = self.manager.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
-                    ),
-                )
-            except DAMAGE as err:
-                self._set_aside(step, err)
-                continue
-            return restored["state"], step
+            for failed_step, err in failures:
+                self._set_aside(failed_step, err, restored.step)
+            return restored
+        if failures:
+            newest, err = failures[0]
+            raise CheckpointError(
+                f"none of the {len(failures)} checkpoint(s) in {self.directory} restores (newest, step {newest}: "
+                f"{_one_line(err)}); nothing was changed. Fix the cause and run again, or start from scratch with "
+                "--config.checkpoint.restart_from_scratch=True (the checkpoints are kept aside)"
+            )
         return None
 
-    def _set_aside(self, step: int, err: Exception) -> None:
-        reason = " ".join(f"{type(err).__name__}: {err}".split())[:200]
+    def _restore_step(self, step: int, abstract_state: Any, config: ml_collections.ConfigDict) -> Restored:
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        check_compatible(meta, config, f"{self.directory}/{step}", state_layout(abstract_state))
+        state = self.manager.restore(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()),
+        )["state"]
+        return Restored(state=state, step=step, meta=meta)
+
+    def move_all_aside(self) -> str:
+        """Rename the whole checkpoint directory (for an explicit restart from scratch)."""
+        aside = epath.Path(f"{self.directory}.unrestored-{time.strftime('%Y%m%d-%H%M%S')}")
+        self.close()
+        if jax.process_index() == 0:
+            self.directory.rename(aside)
+        _sync("fbt-checkpoint-move-all-aside")
+        return str(aside)
+
+    def _set_aside(self, step: int, err: Exception, restored_step: int) -> None:
         aside = self.directory / f"{step}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
         if jax.process_index() == 0:
             (self.directory / str(step)).rename(aside)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices(f"fbt-checkpoint-set-aside-{step}")  # all see the same steps
+        _sync(f"fbt-checkpoint-set-aside-{step}")  # every process sees the same steps
         self.log(
-            f"warning: checkpoint {self.directory}/{step} is damaged ({reason}); moved it to {aside}, trying the previous one"
+            f"warning: checkpoint {self.directory}/{step} is damaged ({_one_line(err)}; step {restored_step} "
+            f"restores with the same code); moved it to {aside}"
         )
         self.manager.reload()
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    state: Any
+    step: int
+    meta: dict[str, Any]
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text[:240]}" if text else type(err).__name__
 
 
 def check_compatible(
@@ -152,42 +235,93 @@ def check_compatible(
         )
 
 
-def load_model(path: str, log: Any = print) -> tuple[Any, ml_collections.ConfigDict]:
-    """The model of a run (its workdir or checkpoint directory) with its newest valid parameters,
-    built from the config recorded in the checkpoint; for decoding and evaluation."""
+def load_model(path: str, log: Any = print, flag: str = "--checkpoint") -> tuple[Any, ml_collections.ConfigDict]:
+    """The model of a run (its workdir or checkpoint directory) with its newest parameters that
+    restore, built from the config recorded in that checkpoint; for decoding and evaluation."""
     from flax import nnx
 
     from fbt_jax.model import ModelConfig, abstract_model
 
-    directory = _run_checkpoints(path, "--checkpoint")
-    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False, read_only=True))
+    one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    def restore(manager: ocp.CheckpointManager, step: int) -> tuple[Any, ml_collections.ConfigDict]:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        config = _config_from_record(meta["config"])
+        model = abstract_model(ModelConfig.from_config(config.model))
+        graphdef, abstract = nnx.split(model, nnx.Param)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device), abstract)
+        params = _restore_params(manager, step, abstract)
+        return nnx.merge(graphdef, params), config
+
+    return _newest_that_restores(path, flag, restore, log, "loaded")
+
+
+def load_params(path: str, abstract_params: Any, config: ml_collections.ConfigDict, log: Any = print) -> Any:
+    """Parameters only (no optimizer state, no step) of the newest checkpoint under `path` (a run's
+    workdir or its checkpoint directory) that restores, for `init_from`."""
+
+    def restore(manager: ocp.CheckpointManager, step: int) -> Any:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        check_compatible(meta, config, f"{path}/{step}")
+        return _restore_params(manager, step, abstract_params)
+
+    return _newest_that_restores(path, "--config.init_from", restore, log, "initialised parameters from")
+
+
+def _restore_params(manager: ocp.CheckpointManager, step: int, abstract_params: Any) -> Any:
+    item = {"params": abstract_params}
+    state = manager.restore(
+        step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(item=item, partial_restore=True))
+    )["state"]
+    return state["params"]
+
+
+def _newest_that_restores(path: str, flag: str, restore: Any, log: Any, done: str) -> Any:
+    """`restore(manager, step)` for the newest step that restores, read-only (never moves a
+    checkpoint: these are other runs' files). Newer ones that failed are reported."""
+    directory = _run_checkpoints(path, flag)
     try:
-        steps = sorted(manager.all_steps(), reverse=True)
-        for step in steps:
+        manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False, read_only=True))
+    except Exception as err:
+        raise ConfigError(
+            f"{flag}={path!r} cannot be read ({_one_line(err)}); check the path and its permissions"
+        ) from None
+    failures: list[tuple[int, Exception]] = []
+    try:
+        for step in sorted(manager.all_steps(), reverse=True):
             try:
-                meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-                break
-            except DAMAGE:
+                result = restore(manager, step)
+            except ConfigError:
+                raise  # another model: the user's to fix, whatever the other checkpoints hold
+            except Exception as err:
+                failures.append((step, err))
                 continue
-        else:
-            raise ConfigError(f"--checkpoint={path!r} holds no checkpoint; train with checkpoint.every_steps > 0 first")
+            for failed, err in failures:
+                log(f"warning: skipped checkpoint {directory}/{failed}, which does not restore ({_one_line(err)})")
+            log(f"{done} {directory}/{step}")
+            return result
     finally:
         manager.close()
-    config = _config_from_record(meta["config"])
-    model = abstract_model(ModelConfig.from_config(config.model))
-    graphdef, abstract = nnx.split(model, nnx.Param)
-    one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device), abstract)
-    params = load_params(str(directory), abstract, config, log)
-    return nnx.merge(graphdef, params), config
+    if failures:
+        step, err = failures[0]
+        raise CheckpointError(
+            f"{flag}={path!r}: none of its {len(failures)} checkpoint(s) restores (newest, step {step}: {_one_line(err)})"
+        )
+    raise ConfigError(f"{flag}={path!r} holds no checkpoint; train with --config.checkpoint.every_steps > 0 first")
 
 
 def _run_checkpoints(path: str, flag: str) -> epath.Path:
     """The checkpoint directory of a run given by its workdir or by the directory itself."""
     root = epath.Path(path)
-    directory = root / "checkpoints" if (root / "checkpoints").exists() else root
-    if not directory.exists():
-        raise ConfigError(f"{flag}={path!r} does not exist; give a run's workdir or its checkpoints directory")
+    try:
+        directory = root / "checkpoints" if (root / "checkpoints").is_dir() else root
+        exists = directory.is_dir()
+    except Exception as err:
+        raise ConfigError(
+            f"{flag}={path!r} cannot be read ({_one_line(err)}); check the path and its permissions"
+        ) from None
+    if not exists:
+        raise ConfigError(f"{flag}={path!r} is not a directory; give a run's workdir or its checkpoints directory")
     return directory
 
 
@@ -208,31 +342,3 @@ def _config_from_record(record: dict[str, Any]) -> ml_collections.ConfigDict:
 
     apply(config, record)
     return config
-
-
-def load_params(path: str, abstract_params: Any, config: ml_collections.ConfigDict, log: Any = print) -> Any:
-    """Parameters only (no optimizer state, no step) of the newest valid checkpoint under `path`
-    (a run's workdir or its checkpoint directory), for `init_from`."""
-    directory = _run_checkpoints(path, "init_from")
-    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False, read_only=True))
-    try:
-        for step in sorted(manager.all_steps(), reverse=True):
-            try:
-                meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-                check_compatible(meta, config, f"{directory}/{step}")
-                state = manager.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        state=ocp.args.PyTreeRestore(item={"params": abstract_params}, partial_restore=True)
-                    ),
-                )["state"]
-            except ConfigError:
-                raise  # an incompatible model is the user's to fix, not a damaged checkpoint
-            except DAMAGE as err:
-                log(f"warning: skipping damaged checkpoint {directory}/{step} ({type(err).__name__})")
-                continue
-            log(f"initialised parameters from {directory}/{step}")
-            return state["params"]
-    finally:
-        manager.close()
-    raise ConfigError(f"init_from={path!r} holds no valid checkpoint; point it at a run that saved one")

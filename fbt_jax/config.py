@@ -7,6 +7,8 @@ raises `ConfigError` with one line naming the field and the fix.
 
 from __future__ import annotations
 
+import math
+
 import ml_collections
 
 from fbt_jax.data.pipeline import validate_data
@@ -113,6 +115,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.checkpoint.keep_every = 0  # also keep every N-th step's checkpoint for good (0: none)
     c.checkpoint.async_save = True
     c.checkpoint.dir = ""  # "" = <workdir>/checkpoints; local or gs://
+    c.checkpoint.restart_from_scratch = False  # start at step 0 even if checkpoints exist (they are kept aside)
+    c.checkpoint.allow_resume_changes = False  # resume although the data, schedule, seed or batch changed
     c.init_from = ""  # a run (workdir or checkpoint dir) to take initial parameters from
 
     c.dry_run = False
@@ -127,6 +131,18 @@ def default_config() -> ml_collections.ConfigDict:
     # Locked: a misspelt field in a config file (c.train.step = 5) is an error, not a new field.
     c.lock()
     return c
+
+
+def _leaves(config: ml_collections.ConfigDict, prefix: str = "") -> list[tuple[str, object]]:
+    out = []
+    for key, value in config.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            out += _leaves(value, f"{prefix}{key}.")
+        elif isinstance(value, (tuple, list)):
+            out += [(f"{prefix}{key}[{i}]", v) for i, v in enumerate(value)]
+        else:
+            out.append((f"{prefix}{key}", value))
+    return out
 
 
 def _require(ok: bool, message: str) -> None:
@@ -149,6 +165,11 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     skipped: the command line runs them once the devices are known.
     """
     _require(bool(config.workdir), "workdir is empty; set --config.workdir=<directory for outputs>")
+    for field, value in _leaves(config):
+        _require(
+            not isinstance(value, float) or math.isfinite(value),
+            f"{field}={value} is not a finite number; give a finite value",
+        )
     _require(
         isinstance(config.seed, int) and 0 <= config.seed < 2**31,
         f"seed={config.seed!r} must be an integer in [0, 2**31)",

@@ -26,10 +26,10 @@ import numpy as np
 import optax
 from flax import nnx, struct
 
-from fbt_jax import checkpoint, distributed, sharding
+from fbt_jax import checkpoint, distributed, paths, sharding, workdir
 from fbt_jax.config import validate_config
 from fbt_jax.data.pipeline import StepBatches, batch_iterator, make_source
-from fbt_jax.errors import ConfigError
+from fbt_jax.errors import CheckpointError, ConfigError
 from fbt_jax.feedback import PassOptions, draw_fuse_from, kpass_forward, kpass_loss, token_nll
 from fbt_jax.metrics import MetricsWriter
 from fbt_jax.model import ModelConfig, abstract_model, build_model, count_params
@@ -215,8 +215,10 @@ class Trainer:
         """Allocate the train state, each device creating only its own shards."""
         self.state = jax.jit(self._init_state, out_shardings=self.state_shardings)()
 
-    def _abstract(self, tree: Any, shardings: Any) -> Any:
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+    def sharded_abstract_state(self) -> TrainState:
+        """The train state's shapes and dtypes with the shardings this run places it with
+        (what a checkpoint restores onto, and what programs are compiled for)."""
+        return _with_shardings(self.abstract_state, self.state_shardings)
 
     def _abstract_batch(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
         shape = (batch_size, self.config.data.seq_len)
@@ -249,7 +251,7 @@ class Trainer:
         memory of the compiled program.
         """
         report: dict[str, dict[str, float]] = {}
-        abstract_state = self._abstract(self.abstract_state, self.state_shardings)
+        abstract_state = self.sharded_abstract_state()
         replicated = sharding.replicated(self.mesh)
         settings = step_settings(self.config)
         for k in self.schedule.pass_counts:
@@ -301,46 +303,72 @@ class Trainer:
             results[f"accuracy_K{k}"] = totals[f"correct_{k}"] / max(totals[f"weight_{k}"], 1e-8)
         return results
 
-    def restore_or_init(self, checkpointer: checkpoint.Checkpointer | None) -> int:
-        """Resume from the newest valid checkpoint, else initialise (optionally from init_from).
-        Returns the step training starts at."""
+    def restore_or_init(
+        self, checkpointer: checkpoint.Checkpointer | None
+    ) -> tuple[int, checkpoint.Checkpointer | None]:
+        """Resume from the newest checkpoint that restores, else initialise (optionally from
+        init_from). Returns the step training starts at and the checkpointer to save with."""
+        cfg = self.config
+        if checkpointer is not None and cfg.checkpoint.restart_from_scratch and checkpointer.steps():
+            aside = checkpointer.move_all_aside()
+            self.log(f"restart_from_scratch: moved the earlier checkpoints to {aside}; starting at step 0")
+            checkpointer = checkpoint.Checkpointer(str(checkpointer.directory), cfg.checkpoint, self.log)
         if checkpointer is not None:
-            abstract = self._abstract(self.abstract_state, self.state_shardings)
-            restored = checkpointer.restore_latest(abstract, self.config)
+            restored = checkpointer.restore_latest(self.sharded_abstract_state(), cfg)
             if restored is not None:
-                self.state, step = restored
-                self.log(f"resuming from checkpoint {checkpointer.directory}/{step} (step {step})")
-                return step
+                self._check_resume(restored, checkpointer)
+                self.state = restored.state
+                self.log(f"resuming from checkpoint {checkpointer.directory}/{restored.step} (step {restored.step})")
+                return restored.step, checkpointer
         self.init_state()
-        if self.config.init_from:
-            abstract_params = self._abstract(self.abstract_state.params, self.state_shardings.params)
-            params = checkpoint.load_params(self.config.init_from, abstract_params, self.config, self.log)
+        if cfg.init_from:
+            params = checkpoint.load_params(cfg.init_from, self.sharded_abstract_state().params, cfg, self.log)
             self.state = self.state.replace(params=params)
-        return 0
+        return 0, checkpointer
+
+    def _check_resume(self, restored: checkpoint.Restored, checkpointer: checkpoint.Checkpointer) -> None:
+        """Refuse a non-finite checkpoint, and config changes that alter the data or the objective."""
+        where = f"{checkpointer.directory}/{restored.step}"
+        if not bool(jax.jit(_all_finite)(restored.state)):
+            raise CheckpointError(
+                f"checkpoint {where} holds non-finite values (written by a run that diverged); resume from an "
+                "earlier one by moving this one aside, or start over with --config.checkpoint.restart_from_scratch=True"
+            )
+        free, guarded = workdir.resume_changes(restored.meta.get("config", {}), self.config)
+        for line in free:
+            self.log(f"resume: changed {line}")
+        if guarded and not self.config.checkpoint.allow_resume_changes:
+            for line in guarded:
+                self.log(f"resume: changed {line}")
+            raise ConfigError(
+                f"resuming {where} with a changed {'; '.join(guarded)}: this changes the data order, the objective or "
+                "the schedule mid-run; use the original values, or pass --config.checkpoint.allow_resume_changes=True"
+            )
+        for line in guarded:
+            self.log(f"resume: changed {line} (allowed by checkpoint.allow_resume_changes)")
 
     def train(self, progress: bool = True) -> dict[str, Any]:
         cfg = self.config
-        workdir = cfg.workdir
+        run_dir = workdir.RunDirectory(cfg.workdir)
+        run_dir.lock()
+        try:
+            return self._train(run_dir, progress)
+        finally:
+            run_dir.unlock()
+
+    def _train(self, run_dir: workdir.RunDirectory, progress: bool) -> dict[str, Any]:
+        cfg = self.config
         steps, batch_size, seq_len = cfg.train.steps, cfg.train.batch_size, cfg.data.seq_len
-        if jax.process_index() == 0:
-            try:
-                os.makedirs(workdir, exist_ok=True)
-            except OSError as err:
-                raise ConfigError(
-                    f"workdir={workdir!r} cannot be created ({err}); choose a writable directory"
-                ) from None
         checkpointer = None
         if cfg.checkpoint.every_steps > 0:
-            directory = cfg.checkpoint.dir or os.path.join(workdir, "checkpoints")
+            directory = cfg.checkpoint.dir or _join(cfg.workdir, "checkpoints")
             checkpointer = checkpoint.Checkpointer(directory, cfg.checkpoint, self.log)
-        start_step = self.restore_or_init(checkpointer)
+        start_step, checkpointer = self.restore_or_init(checkpointer)
         distributed.check_schedule_agreement(self.schedule, start_step, steps)
-        if jax.process_index() == 0:
-            if start_step == 0:
-                _set_aside_previous_outputs(workdir, self.log)
-            with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
-                f.write(cfg.to_json_best_effort(indent=2))
-        _write_process_info(self, workdir)
+        if start_step == 0:
+            run_dir.set_aside_previous_outputs(self.log)
+        run_dir.write_config(cfg, start_step)
+        _write_process_info(self, run_dir.local)
         self.log(
             f"model: {count_params(self.abstract_state.params):,} parameters; mesh "
             + " × ".join(f"{a}={n}" for a, n in self.mesh.shape.items())
@@ -348,7 +376,7 @@ class Trainer:
         )
         self.log(self.schedule.describe(steps))
         compile_report = self.compile()
-        writer = MetricsWriter(workdir, resume_step=start_step)
+        writer = MetricsWriter(run_dir.local, resume_step=start_step)
         bar = _progress_bar(steps, enabled=progress and jax.process_index() == 0, initial=start_step)
         start_time = interval_start = time.perf_counter()
         eval_results: dict[str, float] = {}
@@ -358,6 +386,7 @@ class Trainer:
         d = cfg.data
         batches = batch_iterator(self.step_batches("train", batch_size), start_step, d.num_workers, d.prefetch)
         preemption = PreemptionWatcher()
+        failed = True
         try:
             for step in range(start_step, steps):
                 k = self.schedule.num_passes(step)
@@ -370,24 +399,31 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix_str(f"K={k}{shown}", refresh=False)
                 last = step + 1 == steps
-                if checkpointer is not None:
-                    checkpointer.save(step + 1, self.state, cfg, force=last)
                 stopping = preemption.should_stop(step + 1, checkpointer)
-                if (step + 1) % cfg.train.log_every == 0 or last or stopping:
+                saving = checkpointer is not None and (checkpointer.due(step + 1) or last or stopping)
+                # A save is preceded by a log line: its finiteness check guards what is saved.
+                if (step + 1) % cfg.train.log_every == 0 or last or stopping or saving:
                     record = interval_metrics(jax.device_get(pending))  # one transfer per interval
                     now = time.perf_counter()
                     record["tokens_per_second"] = len(pending) * batch_size * seq_len / (now - interval_start)
                     pending = []
                     writer.write(step + 1, record)
                     shown = f", loss={record['loss']:.3f}, tok/s={record['tokens_per_second']:,.0f}"
-                    if not np.isfinite(record["loss"]):
+                    if not (np.isfinite(record["loss"]) and np.isfinite(record["grad_norm"])):
+                        saved = checkpointer.steps() if checkpointer is not None else []
                         raise FloatingPointError(
-                            f"loss is {record['loss']} at step {step + 1} (K={k}); the metrics so far are in "
-                            f"{writer.paths['train']}. Lower optimizer.learning_rate or set optimizer.grad_clip_norm"
+                            f"loss {record['loss']}, gradient norm {record['grad_norm']} at step {step + 1} (K={k}); "
+                            f"nothing after step {saved[-1] if saved else 0} was saved. Lower optimizer.learning_rate "
+                            f"or set optimizer.grad_clip_norm, and rerun with --config.checkpoint.allow_resume_changes=True "
+                            f"(metrics in {writer.paths['train']})"
                         )
+                    if checkpointer is not None:
+                        checkpointer.check_for_errors()
                     interval_start = time.perf_counter()
-                if stopping:
+                if saving:
                     checkpointer.save(step + 1, self.state, cfg, force=True)
+                    run_dir.sync()
+                if stopping:
                     checkpointer.wait()
                     raise Preempted(f"stopped at step {step + 1} on request; saved {checkpointer.directory}/{step + 1}")
                 if self.eval_program is not None and (
@@ -399,6 +435,7 @@ class Trainer:
                     interval_start += time.perf_counter() - eval_start  # tokens/s counts training only
             if start_step >= steps and self.eval_program is not None:
                 eval_results = self.evaluate()  # resumed a finished run: report its eval again
+            failed = False
         finally:
             preemption.close()
             bar.close()
@@ -406,8 +443,9 @@ class Trainer:
             if hasattr(batches, "close"):
                 batches.close()  # stops prefetch threads / worker processes
             if checkpointer is not None:
-                checkpointer.wait()  # a save in flight must land before the process exits
+                _finish(checkpointer.wait, failed, self.log)  # a save in flight must land before exit
                 checkpointer.close()
+            _finish(run_dir.sync, failed, self.log)
         summary = {
             "steps": steps,
             "start_step": start_step,
@@ -416,18 +454,39 @@ class Trainer:
             "eval": eval_results,
             "realised_mixture": self.schedule.realised_mixture(0, steps),
             "outputs": {
-                "workdir": workdir,
-                "metrics": writer.paths["train"],
-                "eval": writer.paths["eval"],
-                "tensorboard": writer.tensorboard_dir,
-                "config": os.path.join(workdir, "config.json"),
+                "workdir": cfg.workdir,
+                "metrics": _join(cfg.workdir, "metrics.jsonl"),
+                "eval": _join(cfg.workdir, "eval.jsonl"),
+                "tensorboard": _join(cfg.workdir, "tensorboard"),
+                "config": _join(cfg.workdir, "config.json"),
                 "checkpoints": str(checkpointer.directory) if checkpointer is not None else "",
             },
         }
         if jax.process_index() == 0:
-            with open(os.path.join(workdir, "summary.json"), "w", encoding="utf-8") as f:
+            with open(run_dir.path("summary.json"), "w", encoding="utf-8") as f:
                 json.dump(summary, f, indent=2)
+            run_dir.sync()
         return summary
+
+
+def _join(base: str, name: str) -> str:
+    return f"{base.rstrip('/')}/{name}" if paths.is_url(base) else os.path.join(base, name)
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def _finish(cleanup: Any, failed: bool, log: Any) -> None:
+    """Run a clean-up step; while another error is on its way out, report its failure instead of
+    letting it replace that error."""
+    try:
+        cleanup()
+    except Exception as err:
+        if not failed:
+            raise
+        log(f"warning: {' '.join(str(err).split())}")
 
 
 class Preempted(RuntimeError):
@@ -435,22 +494,32 @@ class Preempted(RuntimeError):
 
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again" — rerunning the same command resumes
+# Exit codes of every fbt-* command (docs/checkpointing.md has the table).
+EXIT_CODES = {"config": 2, "diverged": 3, "processes": 4, "checkpoint": 5, "workdir_busy": 6}
 
 
 class PreemptionWatcher:
-    """Turns SIGTERM (single process) or JAX's preemption sync point (multi-host: every process
-    stops at the same step) into a request to save and stop after the current step."""
+    """Turns SIGTERM or SIGINT (single process) or JAX's preemption sync point (multi-host: every
+    process stops at the same step) into a request to save and stop after the current step.
+
+    A second SIGINT interrupts at once (KeyboardInterrupt), for when the save is not wanted.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self) -> None:
         self.requested = False
-        self._previous = None
+        self._previous: dict[int, Any] = {}
         # With several processes JAX's preemption notifier owns SIGTERM (and makes every process
         # stop at the same step); a Python handler here would swallow it.
         if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
+    def _on_signal(self, signum: int, frame: Any) -> None:
         self.requested = True
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            print("\nstopping after this step and saving a checkpoint (Ctrl-C again to stop at once)", file=sys.stderr)
 
     def should_stop(self, step: int, checkpointer: Any) -> bool:
         if checkpointer is None:
@@ -460,8 +529,8 @@ class PreemptionWatcher:
         return self.requested
 
     def close(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
 
 
 def interval_metrics(pending: list[tuple[int, dict[str, Any]]]) -> dict[str, float]:
@@ -478,6 +547,10 @@ def interval_metrics(pending: list[tuple[int, dict[str, Any]]]) -> dict[str, flo
     out["num_passes"] = pending[-1][0]
     out["mean_num_passes"] = float(np.mean([k for k, _ in pending]))
     return out
+
+
+def _with_shardings(tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
 def _compile(jitted: Any, *abstract_args: Any) -> tuple[Any, dict[str, float]]:
@@ -518,18 +591,6 @@ def _write_process_info(trainer: Trainer, workdir: str) -> None:
         json.dump(info, f, indent=2)
 
 
-def _set_aside_previous_outputs(workdir: str, log: Any) -> None:
-    """A new run never appends to (or deletes) an earlier run's logs: move them aside."""
-    if jax.process_index() != 0:
-        return
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for name in ("metrics.jsonl", "eval.jsonl", "summary.json", "config.json", "tensorboard"):
-        path = os.path.join(workdir, name)
-        if os.path.exists(path):
-            os.rename(path, os.path.join(workdir, f"previous-{stamp}-{name}"))
-            log(f"kept earlier run's {name} as previous-{stamp}-{name}")
-
-
 def _progress_bar(total: int, enabled: bool, initial: int = 0) -> Any:
     from tqdm import tqdm
 
@@ -562,23 +623,31 @@ def main(argv: list[str]) -> None:
         logging.set_verbosity(logging.WARNING)
     config = flags.FLAGS.config
     try:
+        paths.resolve_config_paths(config)  # relative paths mean: from where the command was started
         validate_config(config)  # everything that does not depend on the devices, before any set-up
         if config.dry_run:
             from fbt_jax.dry_run import dry_run
 
             print(dry_run(config))
             return
+        paths.check_config_urls(config)
         distributed.initialize(config.distributed)
         trainer = Trainer(config)
         summary = trainer.train()
+    except workdir.WorkdirBusy as err:
+        _fail(str(err), EXIT_CODES["workdir_busy"])
     except ConfigError as err:
-        _fail(f"config error: {err}", 2)
+        _fail(f"config error: {err}", EXIT_CODES["config"])
     except FloatingPointError as err:
-        _fail(f"training diverged: {err}", 3)
+        _fail(f"training diverged: {err}", EXIT_CODES["diverged"])
     except distributed.ProcessMismatchError as err:
-        _fail(f"processes disagree: {err}", 4)
+        _fail(f"processes disagree: {err}", EXIT_CODES["processes"])
+    except CheckpointError as err:
+        _fail(f"checkpoint error: {err}", EXIT_CODES["checkpoint"])
     except Preempted as err:
         _fail(f"preempted: {err}; run the same command again to resume", PREEMPTED_EXIT_CODE)
+    except KeyboardInterrupt:
+        _fail("interrupted; the newest complete checkpoint is intact, run the same command again to resume", 130)
     if jax.process_index() == 0:
         print(format_summary(summary))
 

@@ -149,15 +149,53 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     assert {"6", "8"} <= set(entries)  # training went on and saved again
 
 
+def tree_snapshot(directory):
+    """Every file under `directory` with its bytes: to prove that nothing was touched."""
+    return {
+        os.path.relpath(p, directory): open(p, "rb").read()
+        for p in glob.glob(f"{directory}/**", recursive=True)
+        if os.path.isfile(p)
+    }
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_every_checkpoint_damaged_starts_fresh_and_keeps_them_aside(tmp_path):
+def test_garbled_data_file_is_damage_when_an_older_checkpoint_restores(tmp_path):
+    config = small_config(tmp_path, steps=4)
+    Trainer(config, log=lambda *_: None).train(progress=False)
+    directory = os.path.join(config.workdir, "checkpoints")
+    data_files = [p for p in glob.glob(os.path.join(directory, "4", "state", "**", "d", "*"), recursive=True)]
+    assert data_files
+    for path in data_files:  # bit rot: same size, other bytes
+        with open(path, "r+b") as f:
+            data = f.read()
+            f.seek(0)
+            f.write(bytes(255 - b for b in data))
+    messages = []
+    summary = Trainer(config, log=messages.append).train(progress=False)
+    assert summary["start_step"] == 2
+    assert any("/4 is damaged" in m and "step 2 restores with the same code" in m for m in messages)
+    assert any(e.startswith("4.damaged-") for e in os.listdir(directory))
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_no_checkpoint_restoring_touches_nothing_unless_asked_to_restart(tmp_path):
+    from fbt_jax.errors import CheckpointError
+
     config = small_config(tmp_path, steps=2)
     Trainer(config, log=lambda *_: None).train(progress=False)
     directory = os.path.join(config.workdir, "checkpoints")
     shutil.rmtree(os.path.join(directory, "2", "state"))
+    before = tree_snapshot(config.workdir)
+    with pytest.raises(CheckpointError, match="none of the 1 checkpoint.* restores .*nothing was changed") as err:
+        Trainer(config, log=lambda *_: None).train(progress=False)
+    assert "\n" not in str(err.value) and "restart_from_scratch" in str(err.value)
+    assert tree_snapshot(config.workdir) == before  # no step-0 restart, nothing renamed
+    config.checkpoint.restart_from_scratch = True
     summary = Trainer(config, log=lambda *_: None).train(progress=False)
     assert summary["start_step"] == 0
-    assert any(e.startswith("2.damaged-") for e in os.listdir(directory)) and "2" in os.listdir(directory)
+    kept = glob.glob(os.path.join(config.workdir, "checkpoints.unrestored-*"))
+    assert len(kept) == 1 and "2" in os.listdir(kept[0])  # the old checkpoints are kept aside
+    assert sorted(os.listdir(directory)) == ["2"]
 
 
 def test_restore_on_another_mesh_and_device_count(tmp_path):
@@ -170,7 +208,7 @@ def test_restore_on_another_mesh_and_device_count(tmp_path):
     from fbt_jax.checkpoint import Checkpointer
 
     checkpointer = Checkpointer(os.path.join(config.workdir, "checkpoints"), other.checkpoint)
-    assert restored.restore_or_init(checkpointer) == 4
+    assert restored.restore_or_init(checkpointer)[0] == 4
     checkpointer.close()
     for a, b in zip(jax.tree.leaves(restored.state), jax.tree.leaves(saved)):
         assert np.array_equal(np.asarray(a), b)
@@ -199,14 +237,14 @@ def test_init_from_takes_parameters_only(tmp_path):
     config.passes.schedule = "0:2"  # e.g. a different pass mixture on the same trunk
     messages = []
     sweep = Trainer(config, log=messages.append)
-    assert sweep.restore_or_init(None) == 0
+    assert sweep.restore_or_init(None)[0] == 0
     for a, b in zip(jax.tree.leaves(sweep.state.params), jax.tree.leaves(trunk.state.params)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
     assert int(sweep.state.step) == 0
     assert all(float(np.abs(np.asarray(m)).max()) == 0 for m in jax.tree.leaves(sweep.state.opt_state[1][0].mu))
     assert any("initialised parameters from" in m for m in messages)
     config.init_from = str(tmp_path / "nothing")
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(ConfigError, match="is not a directory"):
         Trainer(config, log=lambda *_: None).restore_or_init(None)
 
 

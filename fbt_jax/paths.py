@@ -1,0 +1,124 @@
+"""Paths a user gives, resolved once at the entry point.
+
+A local path becomes absolute (relative to the directory the command was started from), so that a
+run behaves the same whatever changes the working directory later (orbax, worker processes) and a
+resumed run finds its files from any directory. A URL (`gs://bucket/dir`) is kept as it is and
+checked once, before any expensive work, so that a typo or an unreachable bucket is one line, not
+a traceback after compiling.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+from typing import Any
+
+from fbt_jax.errors import ConfigError
+
+_SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*):/")
+# Schemes the storage layers (etils.epath / fsspec, orbax's tensorstore) can write to.
+CLOUD_SCHEMES = ("gs",)
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
+
+
+def is_url(path: str) -> bool:
+    return bool(_SCHEME.match(str(path)))
+
+
+def resolve(path: str, flag: str) -> str:
+    """An absolute local path or a checked URL; "" stays "" (the field is unset)."""
+    path = str(path)
+    if not path:
+        return path
+    match = _SCHEME.match(path)
+    if match is None:
+        return os.path.abspath(os.path.expanduser(path))
+    scheme = match.group(1).lower()
+    if scheme not in CLOUD_SCHEMES:
+        raise ConfigError(
+            f"{flag}={path!r} uses the scheme {scheme}://, which is not supported; use a local path or gs://bucket/dir"
+        )
+    rest = path[len(scheme) + 1 :]
+    if not rest.startswith("//"):
+        raise ConfigError(f"{flag}={path!r} is not a valid URL; write it as {scheme}://bucket/dir")
+    bucket = rest[2:].split("/", 1)[0]
+    if not _BUCKET.match(bucket):
+        raise ConfigError(f"{flag}={path!r} names no valid bucket ({bucket!r}); write it as {scheme}://bucket/dir")
+    return f"{scheme}://{rest[2:].rstrip('/')}"
+
+
+def check_reachable(url: str, flag: str) -> None:
+    """ConfigError unless the bucket of `url` can be reached (checked once, at start-up).
+
+    The storage client retries a failing request for about a minute and logs a traceback per try;
+    a DNS lookup of the endpoint fails at once when there is no network, so try that first.
+    """
+    if not is_url(url):
+        return
+    bucket = url.split("://", 1)[1].split("/", 1)[0]
+    if not os.environ.get("STORAGE_EMULATOR_HOST"):  # an emulator replaces the public endpoint
+        try:
+            socket.getaddrinfo("storage.googleapis.com", 443)
+        except OSError as err:
+            raise ConfigError(
+                f"{flag}={url!r}: cannot reach Google Cloud Storage ({err.strerror or err}); "
+                "check the network, or use a local path"
+            ) from None
+    from etils import epath
+
+    quiet = logging.getLogger("gcsfs")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        exists = epath.Path(f"gs://{bucket}").exists()
+    except Exception as err:  # the client raises many types; every one is reported, as one line
+        raise ConfigError(
+            f"{flag}={url!r}: bucket gs://{bucket} cannot be read ({type(err).__name__}: {_one_line(err)}); "
+            "check its name and your credentials (gcloud auth application-default login)"
+        ) from None
+    finally:
+        quiet.setLevel(level)
+    if not exists:
+        raise ConfigError(f"{flag}={url!r}: bucket gs://{bucket} does not exist; create it or fix the name")
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())[:200]
+
+
+# Config fields that hold paths, with whether a URL is allowed there.
+CONFIG_PATH_FIELDS = (
+    ("workdir", True),
+    ("checkpoint.dir", True),
+    ("init_from", True),
+    ("data.path", True),
+    ("data.cache_dir", False),  # prepared records are read through the local file system
+    ("data.tfds_data_dir", True),
+)
+
+
+def resolve_config_paths(config: Any) -> None:
+    """Resolve every path field of a run config in place (see `resolve`)."""
+    for field, url_ok in CONFIG_PATH_FIELDS:
+        section, _, name = field.rpartition(".")
+        owner = config[section] if section else config
+        value = resolve(owner[name], f"--config.{field}")
+        if is_url(value) and not url_ok:
+            raise ConfigError(f"--config.{field}={value!r} must be a local directory (a cache on each host)")
+        owner[name] = value
+    tokenizer = config.data.tokenizer
+    if tokenizer and tokenizer != "byte":
+        config.data.tokenizer = resolve(tokenizer, "--config.data.tokenizer")
+
+
+def check_config_urls(config: Any) -> None:
+    """Check, once, that every bucket the config names is reachable."""
+    seen = set()
+    for field, _ in CONFIG_PATH_FIELDS:
+        section, _, name = field.rpartition(".")
+        value = (config[section] if section else config)[name]
+        if is_url(value) and value.split("/")[2] not in seen:
+            seen.add(value.split("/")[2])
+            check_reachable(value, f"--config.{field}")

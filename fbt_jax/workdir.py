@@ -1,0 +1,189 @@
+"""A run's working directory: one live run at a time, its logs, and the record of its config.
+
+The workdir holds the logs (metrics.jsonl, eval.jsonl, TensorBoard events, config.json,
+summary.json) and, by default, the checkpoints. It is a local path or a `gs://` URL. Logs are
+appended to, which object stores cannot do, so for a URL they are written to a local mirror
+(`~/.cache/fbt-jax/workdirs/...`, or under $FBT_JAX_CACHE) and copied to the bucket whenever a
+checkpoint is saved and when the run ends; checkpoints go to the bucket directly.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from typing import Any
+
+import jax
+import ml_collections
+
+from fbt_jax import paths
+from fbt_jax.errors import ConfigError
+
+LOG_NAMES = ("metrics.jsonl", "eval.jsonl", "summary.json", "config.json", "tensorboard")
+LOCK_NAME = ".fbt-train.lock"
+
+# Config fields that may change when a run resumes, with a note; any other change (the data and
+# its order, the pass schedule and objective, the seed, the batch) needs
+# --config.checkpoint.allow_resume_changes=True, and model changes are refused outright.
+RESUME_FREE_PREFIXES = (
+    "train.steps",
+    "train.log_every",
+    "optimizer.",
+    "eval.",
+    "checkpoint.",
+    "mesh.",
+    "sharding.",
+    "distributed.",
+    "data.num_workers",
+    "data.prefetch",
+    "data.cache_dir",
+    "model.remat",
+)
+RESUME_IGNORED = ("workdir", "init_from", "dry_run", "dry_run_devices")
+
+
+class RunDirectory:
+    """The workdir of one run, locked for this process while the run lives."""
+
+    def __init__(self, workdir: str):
+        self.workdir = workdir
+        self.is_url = paths.is_url(workdir)
+        self.local = _local_mirror(workdir) if self.is_url else workdir
+        self._lock_file: Any = None
+        if jax.process_index() == 0:
+            try:
+                os.makedirs(self.local, exist_ok=True)
+                if self.is_url:
+                    self._download_logs()
+            except OSError as err:
+                raise ConfigError(
+                    f"workdir={workdir!r} cannot be created ({err.strerror or err}); choose a writable directory"
+                ) from None
+            if not os.access(self.local, os.W_OK):
+                raise ConfigError(f"workdir={workdir!r} is not writable; fix its permissions or choose another")
+
+    def path(self, name: str) -> str:
+        """Where to write the log file `name` (local, also for a URL workdir)."""
+        return os.path.join(self.local, name)
+
+    def lock(self) -> None:
+        """Hold the workdir for this run; ConfigError (WorkdirBusy) if another live run holds it.
+
+        An OS file lock, released by the kernel when the process ends however it ends, so a lock
+        left by a killed run is never in the way ("stale" locks cannot exist on a local disk).
+        """
+        if jax.process_index() != 0:
+            return
+        path = self.path(LOCK_NAME)
+        handle = open(path, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise WorkdirBusy(
+                f"workdir {self.workdir} is in use by a live fbt-train ({holder}); wait for it to end, stop it, "
+                "or choose another --config.workdir"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on host {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        handle.flush()
+        self._lock_file = handle
+
+    def unlock(self) -> None:
+        if self._lock_file is not None:
+            self._lock_file.close()  # closing releases the lock
+            self._lock_file = None
+
+    def set_aside_previous_outputs(self, log: Any) -> None:
+        """A run starting at step 0 never appends to (or deletes) an earlier run's logs."""
+        if jax.process_index() != 0:
+            return
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for name in LOG_NAMES:
+            if os.path.exists(self.path(name)):
+                os.rename(self.path(name), self.path(f"previous-{stamp}-{name}"))
+                log(f"kept earlier run's {name} as previous-{stamp}-{name}")
+
+    def write_config(self, config: ml_collections.ConfigDict, resumed_step: int) -> None:
+        """config.json is this run's config; on a resume with changes the old one is kept beside."""
+        if jax.process_index() != 0:
+            return
+        text = config.to_json_best_effort(indent=2)
+        path = self.path("config.json")
+        if resumed_step and os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                if f.read() != text:
+                    os.rename(
+                        path, self.path(f"config.before-step-{resumed_step}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+                    )
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    def sync(self) -> None:
+        """Copy the logs to the bucket (URL workdirs only)."""
+        if not self.is_url or jax.process_index() != 0:
+            return
+        from etils import epath
+
+        remote = epath.Path(self.workdir)
+        for root, _, files in os.walk(self.local):
+            for name in files:
+                if name == LOCK_NAME:
+                    continue
+                source = os.path.join(root, name)
+                target = remote / os.path.relpath(source, self.local)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(open(source, "rb").read())
+
+    def _download_logs(self) -> None:
+        from etils import epath
+
+        remote = epath.Path(self.workdir)
+        if not remote.exists():
+            return
+        for source in remote.rglob("*"):
+            relative = os.path.relpath(str(source), self.workdir)
+            if relative.split(os.sep)[0] not in LOG_NAMES or source.is_dir():
+                continue
+            target = os.path.join(self.local, relative)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with open(target, "wb") as f:
+                f.write(source.read_bytes())
+
+
+class WorkdirBusy(ConfigError):
+    """Another live run holds the workdir."""
+
+
+def _local_mirror(url: str) -> str:
+    base = os.environ.get("FBT_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fbt-jax")
+    scheme, rest = url.split("://", 1)
+    return os.path.join(base, "workdirs", scheme, rest)
+
+
+def resume_changes(saved: dict[str, Any], config: ml_collections.ConfigDict) -> tuple[list[str], list[str]]:
+    """(changes allowed on resume, changes that need the explicit flag), one line each."""
+    old, new = _flatten(saved), _flatten(json.loads(config.to_json_best_effort()))
+    free, guarded = [], []
+    for key in sorted(set(old) | set(new)):
+        if key in RESUME_IGNORED or key not in old or old.get(key) == new.get(key):
+            continue  # fields added since the checkpoint was written take their defaults
+        line = f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
+        (free if key.startswith(RESUME_FREE_PREFIXES) else guarded).append(line)
+    return free, guarded
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= _flatten(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
+    return out
