@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import time
+import warnings
 from typing import Any
 
 import jax
@@ -280,6 +282,10 @@ def _newest_that_restores(path: str, flag: str, restore: Any, log: Any, done: st
     """`restore(manager, step)` for the newest step that restores, read-only (never moves a
     checkpoint: these are other runs' files). Newer ones that failed are reported."""
     directory = _run_checkpoints(path, flag)
+    # Reading another run's checkpoints read-only makes orbax warn that it is read-only and that
+    # the params-only restore reads shardings from the files: both expected here.
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message="Sharding info not provided when restoring")
     try:
         manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False, read_only=True))
     except Exception as err:

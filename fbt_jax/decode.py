@@ -1,4 +1,4 @@
-"""Decoding with a KV cache in the three modes of method §8, on the same weights.
+"""Decoding with a KV cache in the three modes of docs/method.md §8, on the same weights.
 
 - `standard`: ordinary decoding; each new position's input is its token embedding.
 - `soft`: plain prefill of the prompt, then each new position's input is fuse(e_t, h_{t-1}),

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+import math
 
 import jax.numpy as jnp
 import numpy as np
 
-from fbt_jax import decode
-from fbt_jax.errors import ConfigError
+from fbt_jax import decode, paths
+from fbt_jax.errors import ConfigError, reported
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,6 +27,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     parser.add_argument("--prompts-file", help="a file with one prompt per line")
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--context-len", type=int, default=0, help="longest prompt + new tokens (default: the run's data.seq_len)"
+    )
     parser.add_argument("--prefill-passes", type=int, default=2, help="passes of the fused prefill")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0)
@@ -35,24 +38,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stop", type=int, action="append", default=[], help="stop token id (repeatable)")
     parser.add_argument("--output", help="write JSON lines here instead of printing")
     args = parser.parse_args(argv)
-    try:
-        if args.mode not in decode.MODES:
-            raise ConfigError(f"--mode={args.mode!r} is unknown; use one of {decode.MODES}")
-        prompts = list(args.prompt)
-        if args.prompts_file:
-            with open(args.prompts_file, encoding="utf-8") as f:
-                prompts += [line.rstrip("\n") for line in f if line.strip()]
-        if not prompts:
-            raise ConfigError("no prompt given; use --prompt or --prompts-file")
+    with reported("fbt-decode"):
+        output = check_args(args)
+        prompts = read_prompts(args)
         from fbt_jax.checkpoint import load_model
 
-        model, config = load_model(args.checkpoint, log=lambda *_: None)
+        model, config = load_model(paths.resolve(args.checkpoint, "--checkpoint"), log=lambda *_: None)
         encode, render = codec(config)
         encoded = [encode(p) for p in prompts]
         lengths = np.array([len(e) for e in encoded])
+        context = args.context_len or config.data.seq_len
+        if lengths.max() + args.max_new_tokens > context:
+            raise ConfigError(
+                f"a prompt of {lengths.max()} tokens + --max-new-tokens={args.max_new_tokens} exceeds the context of "
+                f"{context} tokens (the run trained on {config.data.seq_len}); shorten the prompt or the generation, "
+                "or raise --context-len"
+            )
         padded = np.zeros((len(encoded), lengths.max()), np.int32)
         for i, ids in enumerate(encoded):
             padded[i, : len(ids)] = ids
+        vocab = model.cfg.vocab_size
+        for stop in args.stop:
+            if not 0 <= stop < vocab:
+                raise ConfigError(f"--stop={stop} is outside the vocabulary [0, {vocab})")
         cache_len = int(lengths.max()) + args.max_new_tokens
         decode.check_request(model, padded, lengths, cache_len - args.max_new_tokens, args.mode)
         tokens, counts = decode.generate(
@@ -68,27 +76,70 @@ def main(argv: list[str] | None = None) -> None:
             stop_tokens=tuple(args.stop),
             seed=args.seed,
         )
-    except ConfigError as err:
-        print(f"fbt-decode: {err}", file=sys.stderr)
-        sys.exit(2)
-    tokens, counts = np.asarray(tokens), np.asarray(counts)
-    lines = [
-        json.dumps(
-            {
-                "prompt": p,
-                "mode": args.mode,
-                "tokens": tokens[i, : counts[i]].tolist(),
-                "text": render(tokens[i, : counts[i]]),
-            }
-        )
-        for i, p in enumerate(prompts)
-    ]
+        tokens, counts = np.asarray(tokens), np.asarray(counts)
+        lines = [
+            json.dumps(
+                {
+                    "prompt": p,
+                    "mode": args.mode,
+                    "tokens": tokens[i, : counts[i]].tolist(),
+                    "text": render(tokens[i, : counts[i]]),
+                }
+            )
+            for i, p in enumerate(prompts)
+        ]
+        if output:
+            try:
+                with open(output, "w", encoding="utf-8") as f:
+                    f.write("\n".join(lines) + "\n")
+            except OSError as err:
+                raise ConfigError(
+                    f"--output={args.output!r} cannot be written ({err.strerror}); choose another path"
+                ) from None
+            print(f"wrote {len(lines)} generations to {output}")
+        else:
+            print("\n".join(lines))
+
+
+def check_args(args: argparse.Namespace) -> str:
+    """One-line errors for bad flags, before a checkpoint is read; returns the resolved --output."""
+    if args.mode not in decode.MODES:
+        raise ConfigError(f"--mode={args.mode!r} is unknown; use one of {decode.MODES}")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens={args.max_new_tokens} must be at least 1")
+    if args.context_len < 0:
+        raise ConfigError(f"--context-len={args.context_len} is negative; use 0 for the run's data.seq_len")
+    if args.prefill_passes < 1:
+        raise ConfigError(f"--prefill-passes={args.prefill_passes} must be at least 1")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ConfigError(f"--temperature={args.temperature} must be a finite number >= 0 (0 = greedy)")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k={args.top_k} is negative; use 0 for no top-k filter")
+    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        raise ConfigError(f"--top-p={args.top_p} must be in (0, 1]")
+    output = ""
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write("\n".join(lines) + "\n")
-        print(f"wrote {len(lines)} generations to {args.output}")
-    else:
-        print("\n".join(lines))
+        output = paths.resolve(args.output, "--output")
+        paths.check_output_file(output, "--output")
+    return output
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        path = paths.resolve(args.prompts_file, "--prompts-file")
+        try:
+            with open(path, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"--prompts-file={args.prompts_file!r} is not UTF-8 text ({err.reason})") from None
+        except OSError as err:
+            raise ConfigError(f"--prompts-file={args.prompts_file!r} cannot be read ({err.strerror})") from None
+    if any(not p.strip() for p in prompts):
+        raise ConfigError("a --prompt is empty; every prompt needs at least one token")
+    if not prompts:
+        raise ConfigError("no prompt given; use --prompt or --prompts-file")
+    return prompts
 
 
 def codec(config):

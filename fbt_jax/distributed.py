@@ -17,11 +17,8 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
+from fbt_jax.errors import ProcessMismatchError
 from fbt_jax.schedule import PassSchedule
-
-
-class ProcessMismatchError(RuntimeError):
-    """Processes of one run disagree on something they must share (e.g. the pass count K)."""
 
 
 def _cluster_detected() -> bool:

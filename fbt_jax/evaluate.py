@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from typing import Any
 
 import jax
@@ -21,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fbt_jax import decode
-from fbt_jax.errors import ConfigError
+from fbt_jax import decode, paths
+from fbt_jax.errors import ConfigError, reported
 from fbt_jax.feedback import default_positions, feedback_inputs, token_nll
 
 
@@ -215,9 +214,18 @@ def evaluate(checkpoint_path: str, output: str, depths: int, seq_len: int, batch
 
     model, config = load_model(checkpoint_path, log)
     if config.data.source == "task":
-        config.data.seq_len = seq_len  # longer sequences than training, so depth matters
-    else:
+        config.data.seq_len = seq_len or config.data.seq_len  # default: the length the run trained on
+    elif seq_len:
         log(f"prepared text keeps its records' length {config.data.seq_len} (--seq-len applies to built-in tasks)")
+    # From pass T on the states are the exact recurrence, so the default stops at T + 1 (the last
+    # change ~0 confirms it); up to 2T shows it settle, further would only repeat the same states.
+    seq_len = config.data.seq_len
+    depths = depths or seq_len + 1
+    if depths > 2 * seq_len:
+        raise ConfigError(
+            f"--max-depth={depths} exceeds twice the evaluation length {seq_len}: from pass {seq_len} on the states "
+            f"are exact and stop changing; use --max-depth <= {2 * seq_len} or a longer --seq-len"
+        )
     source = make_source(config, "validation")
     if len(source) < batch_size:
         log(f"the validation split has {len(source)} examples; evaluating on all of them")
@@ -233,7 +241,7 @@ def evaluate(checkpoint_path: str, output: str, depths: int, seq_len: int, batch
     else:
         report["sequential"] = {k: v.tolist() for k, v in sequential_profile(model, batch).items()}
     if config.data.source == "task":
-        report["mode_accuracy"] = mode_accuracy(model, batch, prompt_len=max(1, seq_len // 4))
+        report["mode_accuracy"] = mode_accuracy(model, batch, prompt_len=max(1, config.data.seq_len // 4))
         if config.data.task in ("word_problem", "delayed_recall") and not model.cfg.scan_layers:
             train = make_source(config, "train").examples(rows)
             report["probes"] = probes(model, train, batch)
@@ -251,22 +259,24 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="fbt-eval", description=main.__doc__)
     parser.add_argument("--checkpoint", required=True, help="a run's workdir or checkpoint directory")
     parser.add_argument("--output", required=True, help="directory for report.json and the plots")
-    parser.add_argument("--max-depth", type=int, default=1000, help="largest number of passes k")
     parser.add_argument(
-        "--seq-len",
-        type=int,
-        default=1024,
-        help="evaluation sequence length; longer than --max-depth for depth to matter",
+        "--max-depth", type=int, default=0, help="largest number of passes k (default: evaluation length + 1)"
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=0, help="evaluation length for built-in tasks (default: the trained length)"
     )
     parser.add_argument("--batch-size", type=int, default=32)
     args = parser.parse_args(argv)
-    try:
-        if args.max_depth < 1 or args.seq_len < 4 or args.batch_size < 1:
-            raise ConfigError("--max-depth, --seq-len (>= 4) and --batch-size must be positive")
-        report = evaluate(args.checkpoint, args.output, args.max_depth, args.seq_len, args.batch_size)
-    except ConfigError as err:
-        print(f"fbt-eval: {err}", file=sys.stderr)
-        sys.exit(2)
+    with reported("fbt-eval"):
+        if args.max_depth < 0 or args.batch_size < 1 or (args.seq_len and args.seq_len < 4):
+            raise ConfigError(
+                "--batch-size must be at least 1, --max-depth at least 1 (0: the evaluation length), "
+                "--seq-len at least 4 (0: the trained length)"
+            )
+        output = paths.resolve(args.output, "--output")
+        paths.check_output_dir(output, "--output")
+        checkpoint_path = paths.resolve(args.checkpoint, "--checkpoint")
+        report = evaluate(checkpoint_path, output, args.max_depth, args.seq_len, args.batch_size)
     depth = report["depth"]
     print(
         f"loss at depth 1 / {len(depth['loss'])}: {depth['loss'][0]:.4f} / {depth['loss'][-1]:.4f}; "
@@ -277,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     if "probes" in report:
         p = report["probes"]
         print(f"layer-0 probe: K=1 {p['K1'][0]:.3f}, K=2 {p['K2'][0]:.3f} (chance {p['chance']:.3f})")
-    print(f"wrote {os.path.join(args.output, 'report.json')} and {len(report['plots'])} plots")
+    print(f"wrote {os.path.join(output, 'report.json')} and {len(report['plots'])} plots")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Latent feedback: the fusion (method §3), the K-pass objective (§5) and its ground truth (§4).
+"""Latent feedback: the fusion (docs/method.md §3), the K-pass objective (§5) and its ground truth (§4).
 
 Sequential semantics (what inference does). With fuse-from index p ≥ 1 per example:
     u_t = e_t                      for t < p
@@ -85,7 +85,7 @@ def feedback_inputs(
 class PassOptions:
     """How the K passes are run in training (static; from `config.passes`)."""
 
-    noise_std: float = 0.0  # jitter N(0, σ²) on the carried state (method §7)
+    noise_std: float = 0.0  # jitter N(0, σ²) on the carried state (docs/method.md §7)
     stop_gradient: bool = False  # cut the gradient from pass k into pass k−1's states
     loss_weights: tuple[float, ...] = ()  # w_k per pass; () means all ones
 
@@ -107,7 +107,7 @@ def kpass_forward(
     positions_BT: jax.Array | None = None,
     segment_ids_BT: jax.Array | None = None,
 ) -> list[jax.Array]:
-    """Top states of each of the K passes, [H¹, …, Hᴷ] (method §5).
+    """Top states of each of the K passes, [H¹, …, Hᴷ] (docs/method.md §5).
 
     `num_passes` is a static Python int: the passes are an unrolled loop, so each K is its own
     compiled program (XLA then schedules each pass's matmuls like any other layer).
@@ -181,7 +181,7 @@ def kpass_loss(
 
 
 def draw_fuse_from(rng: jax.Array, batch_size: int, mixin_prob: float, low: int, high: int) -> jax.Array:
-    """Prefix mix-in (method §7): per example, p ~ U{low..high} with probability `mixin_prob`,
+    """Prefix mix-in (docs/method.md §7): per example, p ~ U{low..high} with probability `mixin_prob`,
     else p = 1 (fully fused), so training sees "plain prompt, then fused" as inference does."""
     coin_rng, p_rng = jax.random.split(rng)
     random_p_B = jax.random.randint(p_rng, (batch_size,), low, high + 1, dtype=jnp.int32)
@@ -196,7 +196,7 @@ def sequential_feedback(
     positions_BT: jax.Array | None = None,
     segment_ids_BT: jax.Array | None = None,
 ) -> jax.Array:
-    """Ground truth (method §4): the latent-feedback recurrence, one position at a time.
+    """Ground truth (docs/method.md §4): the latent-feedback recurrence, one position at a time.
 
     Position t's input needs h_{t-1}, computed from fused inputs itself. Since F is causal,
     h_{t-1} depends only on u_0..u_{t-1}, so step t re-runs F over the buffer of inputs decided

@@ -1,4 +1,4 @@
-"""The causal transformer stack F of a Full-Bandwidth Transformer (method §2).
+"""The causal transformer stack F of a Full-Bandwidth Transformer (docs/method.md §2).
 
 `FBTransformer` owns every parameter: the tied embedding table, L pre-norm blocks, the final
 RMSNorm and the fusion (the only new parameters, defined in `feedback.py`). It exposes the pieces
@@ -217,7 +217,7 @@ class Block(nnx.Module):
     """Pre-norm residual block: x + Attn(norm(x)), then + MLP(norm(x))."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        # Depth scaling (method §7): residual branch outputs start at std / sqrt(2L) so the
+        # Depth scaling (docs/method.md §7): residual branch outputs start at std / sqrt(2L) so the
         # residual stream, and hence the carried top state, stays O(1) as depth grows.
         out_std = cfg.embed_dim**-0.5 / math.sqrt(2 * cfg.num_layers)
         pdt = jnp.dtype(cfg.param_dtype)

@@ -122,3 +122,31 @@ def check_config_urls(config: Any) -> None:
         if is_url(value) and value.split("/")[2] not in seen:
             seen.add(value.split("/")[2])
             check_reachable(value, f"--config.{field}")
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """ConfigError unless `path` can be written as a file (checked before the work is done)."""
+    if is_url(path):
+        return
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag}={path!r} is a directory; give a file path")
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{flag}={path!r}: its directory {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ConfigError(f"{flag}={path!r} is not writable; choose another path")
+
+
+def check_output_dir(path: str, flag: str) -> None:
+    """ConfigError unless `path` is, or can be made, a writable directory."""
+    if is_url(path):
+        return
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{flag}={path!r} is a file; give a directory")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{flag}={path!r} cannot be created: {existing} is a file")
+    if not os.access(existing, os.W_OK):
+        raise ConfigError(f"{flag}={path!r} is not writable ({existing}); choose another directory")

@@ -1,4 +1,4 @@
-"""Pass-count curriculum (method §6): which K each training step uses.
+"""Pass-count curriculum (docs/method.md §6): which K each training step uses.
 
 A schedule is a list of phases `(start, {K: probability})`. It is written in configs as one
 string, easy to override from the command line and to sweep:

@@ -29,7 +29,7 @@ from flax import nnx, struct
 from fbt_jax import checkpoint, distributed, paths, sharding, workdir
 from fbt_jax.config import validate_config
 from fbt_jax.data.pipeline import StepBatches, batch_iterator, make_source
-from fbt_jax.errors import CheckpointError, ConfigError
+from fbt_jax.errors import CheckpointError, ConfigError, Preempted, reported
 from fbt_jax.feedback import PassOptions, draw_fuse_from, kpass_forward, kpass_loss, token_nll
 from fbt_jax.metrics import MetricsWriter
 from fbt_jax.model import ModelConfig, abstract_model, build_model, count_params
@@ -425,7 +425,10 @@ class Trainer:
                     run_dir.sync()
                 if stopping:
                     checkpointer.wait()
-                    raise Preempted(f"stopped at step {step + 1} on request; saved {checkpointer.directory}/{step + 1}")
+                    raise Preempted(
+                        f"stopped at step {step + 1} on request; saved {checkpointer.directory}/{step + 1}; "
+                        "run the same command again to resume"
+                    )
                 if self.eval_program is not None and (
                     last or (cfg.eval.every_steps and (step + 1) % cfg.eval.every_steps == 0)
                 ):
@@ -487,15 +490,6 @@ def _finish(cleanup: Any, failed: bool, log: Any) -> None:
         if not failed:
             raise
         log(f"warning: {' '.join(str(err).split())}")
-
-
-class Preempted(RuntimeError):
-    """The run stopped early on SIGTERM / a preemption notice, after saving a checkpoint."""
-
-
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again" — rerunning the same command resumes
-# Exit codes of every fbt-* command (docs/checkpointing.md has the table).
-EXIT_CODES = {"config": 2, "diverged": 3, "processes": 4, "checkpoint": 5, "workdir_busy": 6}
 
 
 class PreemptionWatcher:
@@ -622,7 +616,7 @@ def main(argv: list[str]) -> None:
         # backend 'tpu'") on machines without one; --verbosity=0 brings it back.
         logging.set_verbosity(logging.WARNING)
     config = flags.FLAGS.config
-    try:
+    with reported("fbt-train"):
         paths.resolve_config_paths(config)  # relative paths mean: from where the command was started
         validate_config(config)  # everything that does not depend on the devices, before any set-up
         if config.dry_run:
@@ -632,22 +626,7 @@ def main(argv: list[str]) -> None:
             return
         paths.check_config_urls(config)
         distributed.initialize(config.distributed)
-        trainer = Trainer(config)
-        summary = trainer.train()
-    except workdir.WorkdirBusy as err:
-        _fail(str(err), EXIT_CODES["workdir_busy"])
-    except ConfigError as err:
-        _fail(f"config error: {err}", EXIT_CODES["config"])
-    except FloatingPointError as err:
-        _fail(f"training diverged: {err}", EXIT_CODES["diverged"])
-    except distributed.ProcessMismatchError as err:
-        _fail(f"processes disagree: {err}", EXIT_CODES["processes"])
-    except CheckpointError as err:
-        _fail(f"checkpoint error: {err}", EXIT_CODES["checkpoint"])
-    except Preempted as err:
-        _fail(f"preempted: {err}; run the same command again to resume", PREEMPTED_EXIT_CODE)
-    except KeyboardInterrupt:
-        _fail("interrupted; the newest complete checkpoint is intact, run the same command again to resume", 130)
+        summary = Trainer(config).train()
     if jax.process_index() == 0:
         print(format_summary(summary))
 

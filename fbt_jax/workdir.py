@@ -20,7 +20,7 @@ import jax
 import ml_collections
 
 from fbt_jax import paths
-from fbt_jax.errors import ConfigError
+from fbt_jax.errors import ConfigError, WorkdirBusy
 
 LOG_NAMES = ("metrics.jsonl", "eval.jsonl", "summary.json", "config.json", "tensorboard")
 LOCK_NAME = ".fbt-train.lock"
@@ -157,8 +157,9 @@ class RunDirectory:
                 f.write(source.read_bytes())
 
 
-class WorkdirBusy(ConfigError):
-    """Another live run holds the workdir."""
+def local_dir(workdir: str) -> str:
+    """Where this host writes a workdir's local files (itself, or the mirror of a URL)."""
+    return _local_mirror(workdir) if paths.is_url(workdir) else workdir
 
 
 def _local_mirror(url: str) -> str:

@@ -16,8 +16,8 @@ import orbax.checkpoint as ocp
 import pytest
 from test_config import ROOT, load_config
 
-from fbt_jax.errors import ConfigError
-from fbt_jax.train import PREEMPTED_EXIT_CODE, Trainer
+from fbt_jax.errors import PREEMPTED_EXIT_CODE, ConfigError
+from fbt_jax.train import Trainer
 
 N = 150  # checkpoint interval; runs go to 2N with K drawn from a mix, so K changes across step N
 COMMAND = [

@@ -1,4 +1,4 @@
-"""The K-pass objective against the sequential recurrence (method §4, §5), causality, gradients."""
+"""The K-pass objective against the sequential recurrence (docs/method.md §4, §5), causality, gradients."""
 
 import jax
 import jax.numpy as jnp

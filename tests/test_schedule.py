@@ -1,4 +1,4 @@
-"""Pass-count schedule (method §6): determinism, realised mixture, phase boundaries, errors."""
+"""Pass-count schedule (docs/method.md §6): determinism, realised mixture, phase boundaries, errors."""
 
 import subprocess
 import sys

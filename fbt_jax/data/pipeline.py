@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from fbt_jax import paths
 from fbt_jax.data import records
 from fbt_jax.data.tasks import SyntheticTask, make_task
 from fbt_jax.data.tokenizers import load_tokenizer
@@ -48,6 +49,9 @@ class TaskSplit:
 def prepared_dir(config: Any) -> str:
     """Where the packed records of a text/TFDS source live, preparing them on first use."""
     data = config.data
+    cache = data.cache_dir or os.path.join(_local_workdir(config), "data_cache")
+    if data.source == "text" and paths.is_url(data.path):
+        return records.download_dir(data.path, cache)  # prepared by fbt-prepare into a bucket
     if data.source == "text" and os.path.isdir(data.path):
         return data.path  # already prepared by fbt-prepare
     if data.source == "text":
@@ -64,11 +68,16 @@ def prepared_dir(config: Any) -> str:
         },
         sort_keys=True,
     )
-    cache = data.cache_dir or os.path.join(config.workdir, "data_cache")
     directory = os.path.join(cache, hashlib.blake2b(key.encode(), digest_size=8).hexdigest())
     if not os.path.exists(os.path.join(directory, "meta.json")):
         records.prepare(documents, data.tokenizer, data.seq_len, directory, source)
     return directory
+
+
+def _local_workdir(config: Any) -> str:
+    from fbt_jax.workdir import local_dir
+
+    return local_dir(config.workdir)
 
 
 def validate_data(config: Any) -> tuple[int, str]:
@@ -86,6 +95,8 @@ def validate_data(config: Any) -> tuple[int, str]:
     if data.source == "text":
         if not data.path:
             raise ConfigError("data.source='text' needs data.path: a glob of text files or an fbt-prepare directory")
+        if paths.is_url(data.path):
+            return records.read_remote_meta(data.path)["vocab_size"], f"the prepared data in {data.path}"
         if os.path.isdir(data.path):
             meta = records.read_meta(data.path)
             return meta["vocab_size"], f"the prepared data in {data.path}"

@@ -20,16 +20,16 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
+from fbt_jax import paths
 from fbt_jax.data.packing import pack_documents, record_to_example, records_to_examples
 from fbt_jax.data.tokenizers import load_tokenizer
-from fbt_jax.errors import ConfigError
+from fbt_jax.errors import ConfigError, reported
 
 FORMAT_VERSION = 1
 SPLIT_NAMES = ("train", "validation")
@@ -175,7 +175,26 @@ class PackedRecords:
         self.meta = read_meta(directory)
         self.seq_len = self.meta["seq_len"]
         self.vocab_size = self.meta["vocab_size"]
-        self._records = ArrayRecordDataSource(os.path.join(directory, f"{split}.array_record"))
+        path = os.path.join(directory, f"{split}.array_record")
+        expected = self.meta.get("records", {}).get(split)
+        try:
+            self._records = ArrayRecordDataSource(path)
+            count = len(self._records)
+            # A cheap integrity check (reading every record would cost an epoch): the count that
+            # fbt-prepare recorded, and the first and last records, whole and of the right size.
+            for index in {0, count - 1} if count else ():
+                if len(self._records[index]) != 2 * (self.seq_len + 1) * 4:
+                    raise ValueError(f"record {index} has {len(self._records[index])} bytes")
+        except Exception as err:  # the reader raises assorted types for unreadable or corrupt files
+            raise ConfigError(
+                f"the prepared records {path} cannot be read ({type(err).__name__}: {' '.join(str(err).split())[:200]}); "
+                "prepare the data again with fbt-prepare"
+            ) from None
+        if expected is not None and count != expected:
+            raise ConfigError(
+                f"the prepared records {path} hold {count} records, but fbt-prepare wrote {expected}; "
+                "the file is incomplete or replaced: prepare the data again"
+            )
 
     def __len__(self) -> int:
         return len(self._records)
@@ -215,31 +234,100 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tfds-text-key", default="text")
     parser.add_argument("--tfds-splits", default="train,validation", help="TFDS splits used as train,validation")
     args = parser.parse_args(argv)
-    try:
-        if os.path.exists(args.output):
-            raise ConfigError(
-                f"--output {args.output} already exists; choose a new directory (prepared data is never overwritten)"
-            )
+    with reported("fbt-prepare"):
+        output = paths.resolve(args.output, "--output")
+        if paths.is_url(output):
+            paths.check_reachable(output, "--output")
+            from etils import epath
+
+            if epath.Path(output).exists():
+                raise ConfigError(
+                    f"--output {output} already exists; choose a new directory (prepared data is never overwritten)"
+                )
+        else:
+            if os.path.exists(output):
+                raise ConfigError(
+                    f"--output {output} already exists; choose a new directory (prepared data is never overwritten)"
+                )
+            paths.check_output_dir(output, "--output")
         if args.seq_len < 2:
             raise ConfigError(f"--seq-len {args.seq_len} is too short; use at least 2")
         if bool(args.input) == bool(args.tfds_name):
             raise ConfigError("give exactly one of --input (text files) or --tfds-name (a TFDS dataset)")
+        tokenizer = args.tokenizer if args.tokenizer == "byte" else paths.resolve(args.tokenizer, "--tokenizer")
+        load_tokenizer(tokenizer)  # a bad tokenizer fails here, before reading any data
         if args.input:
-            documents, source = text_split_documents(args.input, args.validation_fraction)
+            documents, source = text_split_documents(paths.resolve(args.input, "--input"), args.validation_fraction)
         else:
+            if args.tfds_splits.count(",") != 1:
+                raise ConfigError(f"--tfds-splits={args.tfds_splits!r} must name two splits: train,validation")
             train_split, validation_split = args.tfds_splits.split(",")
+            data_dir = paths.resolve(args.tfds_data_dir or "", "--tfds-data-dir")
             documents, source = tfds_split_documents(
-                args.tfds_name, args.tfds_data_dir, args.tfds_text_key, train_split, validation_split
+                args.tfds_name, data_dir, args.tfds_text_key, train_split, validation_split
             )
-        meta = prepare(documents, args.tokenizer, args.seq_len, args.output, source, progress=True)
-    except ConfigError as err:
-        print(f"fbt-prepare: {err}", file=sys.stderr)
-        sys.exit(2)
+        if paths.is_url(output):
+            with tempfile.TemporaryDirectory(prefix="fbt-prepare-") as staging:
+                local = os.path.join(staging, "prepared")
+                meta = prepare(documents, tokenizer, args.seq_len, local, source, progress=True)
+                upload_dir(local, output)
+        else:
+            meta = prepare(documents, tokenizer, args.seq_len, output, source, progress=True)
     print(
         f"wrote {meta['records']['train']:,} train and {meta['records']['validation']:,} validation records "
         f"({meta['tokens']['train']:,} + {meta['tokens']['validation']:,} tokens, vocab {meta['vocab_size']}) "
-        f"to {args.output}; train with --config.data.source=text --config.data.path={args.output}"
+        f"to {output}; train with --config.data.source=text --config.data.path={output} "
+        f"--config.data.seq_len={args.seq_len} --config.model.vocab_size={meta['vocab_size']}"
     )
+
+
+def upload_dir(local: str, url: str) -> None:
+    """Copy a prepared directory to a bucket, meta.json last: readers take its presence as complete."""
+    from etils import epath
+
+    target = epath.Path(url)
+    target.mkdir(parents=True, exist_ok=True)
+    names = sorted(os.listdir(local), key=lambda n: n == "meta.json")
+    for name in names:
+        (target / name).write_bytes(open(os.path.join(local, name), "rb").read())
+
+
+def read_remote_meta(url: str) -> dict[str, Any]:
+    from etils import epath
+
+    try:
+        return json.loads((epath.Path(url) / "meta.json").read_text())
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{url} holds no prepared data (no meta.json); run fbt-prepare --output={url} first"
+        ) from None
+    except Exception as err:
+        raise ConfigError(
+            f"{url}/meta.json cannot be read ({type(err).__name__}: {' '.join(str(err).split())[:200]})"
+        ) from None
+
+
+def download_dir(url: str, cache_dir: str) -> str:
+    """A local copy of a prepared directory in a bucket (records are read through the local file
+    system), made once per host under `cache_dir`; returns its path."""
+    from etils import epath
+
+    local = os.path.join(cache_dir, "downloaded", hashlib.blake2b(url.encode(), digest_size=8).hexdigest())
+    if os.path.exists(os.path.join(local, "meta.json")):
+        return local
+    source = epath.Path(url)
+    if not (source / "meta.json").exists():
+        raise ConfigError(f"{url} holds no prepared data (no meta.json); run fbt-prepare --output={url} first")
+    os.makedirs(os.path.dirname(local), exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".download-", dir=os.path.dirname(local))
+    try:
+        for entry in sorted(source.iterdir(), key=lambda p: p.name == "meta.json"):
+            with open(os.path.join(staging, entry.name), "wb") as f:
+                f.write(entry.read_bytes())
+        os.rename(staging, local)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return local
 
 
 def text_split_documents(pattern: str, validation_fraction: float) -> tuple[dict[str, Iterable[str]], dict]:
