@@ -6,9 +6,12 @@ processes and with a prefetch thread), the synthetic word-problem task, and the 
 the tiny and a bigger CPU-sized model consume in a compiled K=1 train step (the fastest step, so
 the hardest to feed). The pipeline must deliver at least 20× what the model consumes.
 
-    python benchmarks/data_throughput.py [--batches 200]
+    python benchmarks/data_throughput.py [--batches 200] [--smoke] [--write-docs PATH]
 
-Prints a table and, last, the smallest pipeline/model ratio (with a JSON line before it).
+Prints a table, the smallest pipeline/model ratio and, last, one JSON line with every figure.
+`--smoke` runs the same code on a small corpus, a few batches and the tiny model only (seconds);
+`--write-docs PATH` rewrites the `benchmarks/data_throughput.py` block of the Markdown file PATH
+with the tables (see docs_block.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import docs_block  # noqa: E402
 
 
 def corpus_documents(num_docs: int, seed: int = 0) -> list[str]:
@@ -32,11 +38,11 @@ def corpus_documents(num_docs: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(words, size=rng.integers(20, 800))) for _ in range(num_docs)]
 
 
-def pipeline_tokens_per_second(batches, num_batches: int, num_workers: int) -> float:
+def pipeline_tokens_per_second(batches, num_batches: int, num_workers: int, warmup: int = 10) -> float:
     from fbt_jax.data.pipeline import batch_iterator
 
     iterator = batch_iterator(batches, 0, num_workers=num_workers, prefetch=4)
-    for _ in range(10):  # start-up (worker spawn) is not throughput
+    for _ in range(warmup):  # start-up (worker spawn) is not throughput
         next(iterator)
     start = time.perf_counter()
     tokens = 0
@@ -72,13 +78,25 @@ def model_tokens_per_second(config, rounds: int = 15) -> float:
     return config.train.batch_size * config.data.seq_len / statistics.median(times)
 
 
+def model_label(name: str, config) -> str:
+    m = config.model
+    return f"{name} (D={m.embed_dim}, L={m.num_layers}, B={config.train.batch_size}, T={config.data.seq_len})"
+
+
 def main() -> None:
     from absl import flags
 
     flags.FLAGS.mark_as_parsed()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=200)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes and few batches: checks that it runs")
+    parser.add_argument("--write-docs", metavar="PATH", help="rewrite this benchmark's block in the Markdown file PATH")
     args = parser.parse_args()
+    if args.write_docs:
+        docs_block.check_block(args.write_docs, "data_throughput")
+    num_docs, warmup, model_rounds = 3000, 10, 15
+    if args.smoke:
+        args.batches, num_docs, warmup, model_rounds = 5, 100, 2, 2
 
     from tiny import get_config as tiny_config
 
@@ -87,7 +105,7 @@ def main() -> None:
     from fbt_jax.data.tasks import make_task
 
     seq_len, batch_size = 128, 16
-    docs = corpus_documents(3000)
+    docs = corpus_documents(num_docs)
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         meta = records.prepare(
@@ -102,19 +120,21 @@ def main() -> None:
             records.PackedRecords(os.path.join(tmp, "prep"), "train"), batch_size, tuple(range(batch_size)), 0, True
         )
         pipeline = {
-            "text, 2 workers": pipeline_tokens_per_second(text, args.batches, num_workers=2),
-            "text, thread": pipeline_tokens_per_second(text, args.batches, num_workers=0),
+            "text, 2 workers": pipeline_tokens_per_second(text, args.batches, 2, warmup),
+            "text, thread": pipeline_tokens_per_second(text, args.batches, 0, warmup),
         }
     task_config = tiny_config()
     task = StepBatches(TaskSplit(make_task(task_config), "train"), 32, tuple(range(32)), 0, True)
-    pipeline["word problem, 2 workers"] = pipeline_tokens_per_second(task, args.batches, num_workers=2)
-    pipeline["word problem, thread"] = pipeline_tokens_per_second(task, args.batches, num_workers=0)
+    pipeline["word problem, 2 workers"] = pipeline_tokens_per_second(task, args.batches, 2, warmup)
+    pipeline["word problem, thread"] = pipeline_tokens_per_second(task, args.batches, 0, warmup)
 
     bigger = tiny_config()
     bigger.data.seq_len = 128
     bigger.model.embed_dim, bigger.model.num_layers, bigger.model.num_heads = 256, 4, 8
     bigger.model.num_kv_heads, bigger.model.mlp_dim, bigger.train.batch_size = 4, 1024, 8
-    models = {"tiny": model_tokens_per_second(tiny_config()), "cpu_medium": model_tokens_per_second(bigger)}
+    model_configs = {"tiny": tiny_config()} if args.smoke else {"tiny": tiny_config(), "cpu_medium": bigger}
+    labels = {name: model_label(name, config) for name, config in model_configs.items()}
+    models = {name: model_tokens_per_second(config, model_rounds) for name, config in model_configs.items()}
 
     print(f"prepare (tokenise + pack + write): {prepare_rate:,.0f} tokens/s")
     print(f"{'pipeline':<26}{'tokens/s':>14}")
@@ -125,10 +145,44 @@ def main() -> None:
         print(f"{name:<26}{rate:>14,.0f}")
     ratios = {f"{p} / {m}": pipeline[p] / models[m] for p in pipeline for m in models}
     worst = min(ratios, key=ratios.get)
-    print(
-        json.dumps({"prepare_tokens_per_second": prepare_rate, "pipeline": pipeline, "model": models, "ratios": ratios})
-    )
     print(f"smallest pipeline/model ratio: {ratios[worst]:.1f}x ({worst}); target >= 20x")
+    results = {
+        "text_batch": [batch_size, seq_len],
+        "word_problem_batch": [32, task_config.data.seq_len],
+        "prepare_tokens_per_second": prepare_rate,
+        "pipeline": pipeline,
+        "model": models,
+        "model_labels": labels,
+        "ratios": ratios,
+        "smallest_ratio": ratios[worst],
+    }
+    if args.write_docs:
+        docs_block.write_block(args.write_docs, "data_throughput", docs_text(results, args.smoke))
+    print(json.dumps(results))
+
+
+def docs_text(results: dict, smoke: bool) -> str:
+    """The Markdown block: pipeline and model tables, the prepare rate and the smallest ratio."""
+    import jax
+
+    pipeline_table = docs_block.table(
+        ["pipeline", "tokens/s"], [[name, f"{rate:,.0f}"] for name, rate in results["pipeline"].items()]
+    )
+    model_table = docs_block.table(
+        ["model (K=1 train step, one device)", "tokens/s"],
+        [[results["model_labels"][name], f"{rate:,.0f}"] for name, rate in results["model"].items()],
+    )
+    worst = min(results["ratios"], key=results["ratios"].get)
+    (text_b, text_t), (task_b, task_t) = results["text_batch"], results["word_problem_batch"]
+    notes = [
+        f"Batches of {text_b} × {text_t} tokens (text) and {task_b} × {task_t} (word problem). "
+        f"Preparing (tokenise + pack + write, byte tokenizer): {results['prepare_tokens_per_second']:,.0f} tokens/s. "
+        f"Smallest pipeline/model ratio: {results['smallest_ratio']:.1f}× ({worst}); target ≥ 20×."
+    ]
+    machine = docs_block.machine_line(jax.devices()[:1], smoke=smoke)
+    return docs_block.block(
+        "data_throughput", docs_block.run_arguments(sys.argv[1:]), machine, [pipeline_table, model_table], notes
+    )
 
 
 if __name__ == "__main__":

@@ -7,9 +7,12 @@ median step-time ratio sharded / single-device (it should not be much worse on o
 Then compiles every K for the tiny config and, abstractly, for the 1B config (FSDP over the 8
 devices, no weights allocated) and prints the compile times.
 
-    python benchmarks/sharding_overhead.py [--rounds 9]
+    python benchmarks/sharding_overhead.py [--rounds 9] [--steps-per-round 3] [--smoke] [--write-docs PATH]
 
-Prints a table and, last, one JSON line.
+Prints a table and, last, one JSON line with every figure. `--smoke` runs the same code with a
+smaller model and batch, two layouts (1 device and 2x2x2), one round, and compiles only K=1
+(seconds); `--write-docs PATH` rewrites the `benchmarks/sharding_overhead.py` block of the
+Markdown file PATH with the table (see docs_block.py).
 """
 
 from __future__ import annotations
@@ -28,16 +31,26 @@ import time  # noqa: E402
 import jax  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import docs_block  # noqa: E402
 from fbt_1b import get_config as fbt_1b_config  # noqa: E402
 from tiny import get_config as tiny_config  # noqa: E402
 
 from fbt_jax.train import Trainer  # noqa: E402
 
+# layout name → (data, fsdp, tensor) mesh over all 8 devices, or None for one device
 MESHES = {"1 device": None, "8x1x1": (8, 1, 1), "2x2x2": (2, 2, 2), "1x4x2": (1, 4, 2)}
+SMOKE_MESHES = {name: MESHES[name] for name in ("1 device", "2x2x2")}
+MESH_LABELS = {
+    "1 device": "1 device",
+    "8x1x1": "data 8",
+    "2x2x2": "data 2 × fsdp 2 × tensor 2",
+    "1x4x2": "fsdp 4 × tensor 2",
+}
 
 
-def bench_config():
+def bench_config(smoke: bool = False):
     c = tiny_config()
     c.data.seq_len = 64
     c.model.embed_dim = 128
@@ -47,13 +60,16 @@ def bench_config():
     c.train.batch_size = 32
     c.passes.schedule = "0:1=0.5,2=0.5"
     c.eval.num_batches = 0
+    if smoke:
+        c.data.seq_len, c.model.embed_dim, c.model.mlp_dim, c.train.batch_size = 16, 32, 64, 8
+        c.passes.schedule = "0:1"
     return c
 
 
-def step_times(rounds: int, steps_per_round: int) -> dict[str, float]:
+def step_times(rounds: int, steps_per_round: int, meshes: dict = MESHES, smoke: bool = False) -> dict[str, float]:
     programs = {}
-    for name, mesh in MESHES.items():
-        config = bench_config()
+    for name, mesh in meshes.items():
+        config = bench_config(smoke)
         devices = jax.devices()[:1] if mesh is None else jax.devices()
         if mesh is not None:
             config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh
@@ -65,7 +81,7 @@ def step_times(rounds: int, steps_per_round: int) -> dict[str, float]:
         for _ in range(2):  # warm up
             trainer.state, metrics = trainer.train_programs[1](trainer.state, batch)
         jax.block_until_ready(metrics)
-    samples: dict[str, list[float]] = {name: [] for name in MESHES}
+    samples: dict[str, list[float]] = {name: [] for name in meshes}
     for _ in range(rounds):
         for name, (trainer, batch) in programs.items():
             start = time.perf_counter()
@@ -86,32 +102,76 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps-per-round", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes and one round: checks that it runs")
+    parser.add_argument("--write-docs", metavar="PATH", help="rewrite this benchmark's block in the Markdown file PATH")
     args = parser.parse_args()
+    if args.write_docs:
+        docs_block.check_block(args.write_docs, "sharding_overhead")
+    meshes, tiny_schedule, one_b_schedule = MESHES, "0:1=0.4,2=0.3,3=0.3", None
+    if args.smoke:
+        args.rounds, args.steps_per_round = 1, 1
+        meshes, tiny_schedule, one_b_schedule = SMOKE_MESHES, "0:1", "0:1"
 
-    times = step_times(args.rounds, args.steps_per_round)
+    times = step_times(args.rounds, args.steps_per_round, meshes, args.smoke)
     base = times["1 device"]
     print(f"{'layout':<10}{'median step':>14}{'ratio to 1 device':>20}")
     for name, t in times.items():
         print(f"{name:<10}{t * 1e3:>12.2f}ms{t / base:>20.3f}")
 
     tiny = tiny_config()
-    tiny.passes.schedule = "0:1=0.4,2=0.3,3=0.3"
+    tiny.passes.schedule = tiny_schedule
     one_b = fbt_1b_config()
     one_b.mesh.data, one_b.mesh.fsdp = 1, 8
+    if one_b_schedule:
+        one_b.passes.schedule = one_b_schedule
     compiles = {
         "tiny (8 devices)": compile_times(tiny, jax.devices()),
         "1b abstract (fsdp=8)": compile_times(one_b, jax.devices()),
     }
     for name, per_k in compiles.items():
         print(f"compile {name}: " + ", ".join(f"{k} {v:.1f}s" for k, v in per_k.items()))
-    print(
-        json.dumps(
-            {
-                "step_seconds": times,
-                "ratio_to_one_device": {name: t / base for name, t in times.items()},
-                "compile_seconds": compiles,
-            }
-        )
+    bench = bench_config(args.smoke)
+    results = {
+        "batch_size": bench.train.batch_size,
+        "seq_len": bench.data.seq_len,
+        "embed_dim": bench.model.embed_dim,
+        "num_layers": bench.model.num_layers,
+        "rounds": args.rounds,
+        "steps_per_round": args.steps_per_round,
+        "step_seconds": times,
+        "ratio_to_one_device": {name: t / base for name, t in times.items()},
+        "compile_seconds": compiles,
+    }
+    if args.write_docs:
+        docs_block.write_block(args.write_docs, "sharding_overhead", docs_text(results, args.smoke))
+    print(json.dumps(results))
+
+
+def docs_text(results: dict, smoke: bool) -> str:
+    """The Markdown block: one table row per layout, then the compile times."""
+    rows = [
+        [MESH_LABELS[name], docs_block.ms(t), f"{results['ratio_to_one_device'][name]:.2f}"]
+        for name, t in results["step_seconds"].items()
+    ]
+    intro = (
+        f"Same global batch ({results['batch_size']} × {results['seq_len']} tokens, D={results['embed_dim']}, "
+        f"L={results['num_layers']}), medians over {results['rounds']} interleaved rounds × "
+        f"{results['steps_per_round']} K=1 steps:"
+    )
+    compiles = "; ".join(
+        f"{name} "
+        + " / ".join(f"{v:.1f}" for v in per_k.values())
+        + " s for K = "
+        + " / ".join(k.removeprefix("train_K") for k in per_k)
+        for name, per_k in results["compile_seconds"].items()
+    )
+    machine = docs_block.machine_line(jax.devices(), smoke=smoke)
+    return docs_block.block(
+        "sharding_overhead",
+        docs_block.run_arguments(sys.argv[1:]),
+        machine,
+        [intro, docs_block.table(["layout", "median step", "ratio to one device"], rows)],
+        [f"Compile times: {compiles}."],
     )
 
 

@@ -6,9 +6,11 @@ noise hits all of them alike, and reports medians, the ratio t(K) / (K · t(1)) 
 the explicitly counted model FLOPs per step (see fbt_jax/flops.py for what is counted) and the
 achieved FLOP/s as a fraction of this machine's peak matmul FLOP/s, measured in the same run.
 
-    python benchmarks/step_cost.py [--rounds 15] [--steps-per-round 3]
+    python benchmarks/step_cost.py [--rounds 15] [--steps-per-round 3] [--smoke] [--write-docs PATH]
 
-Prints a table and, last, one JSON line with every figure.
+Prints a table and, last, one JSON line with every figure. `--smoke` runs the same code on the tiny
+config only, with small matmuls and one round (seconds); `--write-docs PATH` rewrites the
+`benchmarks/step_cost.py` block of the Markdown file PATH with the table (see docs_block.py).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import docs_block  # noqa: E402
 from tiny import get_config as tiny_config  # noqa: E402
 
 from fbt_jax.flops import train_step_flops  # noqa: E402
@@ -46,10 +50,10 @@ def cpu_medium_config():
     return c
 
 
-def peak_matmul_flops(rounds: int = 10) -> dict[str, float]:
+def peak_matmul_flops(rounds: int = 10, sizes: tuple[int, ...] = (1024, 2048)) -> dict[str, float]:
     """Best median fp32 matmul FLOP/s over a few square sizes (the machine's practical peak)."""
     out = {}
-    for n in (1024, 2048):
+    for n in sizes:
         a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
         b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
         matmul = jax.jit(lambda x, y: x @ y)
@@ -66,9 +70,11 @@ def peak_matmul_flops(rounds: int = 10) -> dict[str, float]:
 def time_steps(config, rounds: int, steps_per_round: int) -> dict[int, float]:
     config.passes.schedule = "0:1=0.4,2=0.3,3=0.3"  # any mixture that compiles every K in PASS_COUNTS
     config.eval.num_batches = 0
-    trainer = Trainer(config, log=lambda *_: None)
+    # One device, like the peak it is compared with (a multi-device mesh is sharding_overhead.py's).
+    trainer = Trainer(config, log=lambda *_: None, devices=jax.devices()[:1])
     trainer.compile()
-    batch = trainer._local_batch("train", 0, config.train.batch_size)
+    trainer.init_state()
+    batch = trainer.batch("train", 0, config.train.batch_size)
     state = trainer.state
     for k in PASS_COUNTS:  # warm up each program
         for _ in range(2):
@@ -90,9 +96,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps-per-round", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes and one round: checks that it runs")
+    parser.add_argument("--write-docs", metavar="PATH", help="rewrite this benchmark's block in the Markdown file PATH")
     args = parser.parse_args()
-
-    peaks = peak_matmul_flops()
+    if args.write_docs:
+        docs_block.check_block(args.write_docs, "step_cost")
+    if args.smoke:
+        args.rounds, args.steps_per_round = 1, 1
+        configs = (("tiny", tiny_config()),)
+        peaks = peak_matmul_flops(rounds=2, sizes=(256,))
+    else:
+        configs = (("tiny", tiny_config()), ("cpu_medium", cpu_medium_config()))
+        peaks = peak_matmul_flops()
     peak = max(peaks.values())
     print(
         f"devices: {jax.devices()}  peak fp32 matmul: "
@@ -104,7 +119,7 @@ def main() -> None:
     )
     print(header)
     print("-" * len(header))
-    for name, config in (("tiny", tiny_config()), ("cpu_medium", cpu_medium_config())):
+    for name, config in configs:
         model_cfg = ModelConfig.from_config(config.model)
         times = time_steps(config, args.rounds, args.steps_per_round)
         rows = {}
@@ -123,11 +138,43 @@ def main() -> None:
                 f"{flops / 1e9:>12.3f}{r['achieved_flops'] / 1e9:>9.1f}{r['fraction_of_peak']:>9.1%}"
             )
         results["configs"][name] = {
+            "embed_dim": config.model.embed_dim,
+            "num_layers": config.model.num_layers,
             "batch_size": config.train.batch_size,
             "seq_len": config.data.seq_len,
             "by_num_passes": rows,
         }
+    if args.write_docs:
+        docs_block.write_block(args.write_docs, "step_cost", docs_text(results, args.smoke))
     print(json.dumps(results))
+
+
+def docs_text(results: dict, smoke: bool) -> str:
+    """The Markdown block for the docs: the machine and peak, then one table row per config and K."""
+    best = max(results["peak_by_size"], key=results["peak_by_size"].get)
+    size = best.removeprefix("matmul_")
+    machine = docs_block.machine_line(
+        jax.devices()[:1], f"peak fp32 matmul measured {results['peak_flops'] / 1e9:.0f} GFLOP/s at {size}²", smoke
+    )
+    rows = []
+    for name, c in results["configs"].items():
+        label = f"{name} (D={c['embed_dim']}, L={c['num_layers']}, B={c['batch_size']}, T={c['seq_len']})"
+        for k, r in c["by_num_passes"].items():
+            rows.append(
+                [
+                    label if k == PASS_COUNTS[0] else "",
+                    k,
+                    docs_block.ms(r["median_step_seconds"]),
+                    f"{r['ratio_to_k_times_one_pass']:.3f}",
+                    f"{r['flops_per_step'] / 1e9:.3g}",
+                    f"{r['achieved_flops'] / 1e9:.1f}",
+                    f"{r['fraction_of_peak']:.0%}",
+                ]
+            )
+    header = ["config", "K", "median step", "t(K) / (K·t(1))", "GFLOP/step", "GFLOP/s", "of peak"]
+    return docs_block.block(
+        "step_cost", docs_block.run_arguments(sys.argv[1:]), machine, [docs_block.table(header, rows)]
+    )
 
 
 if __name__ == "__main__":

@@ -81,15 +81,17 @@ class Checkpointer:
             "state_layout": state_layout(state),
             "config": json.loads(config.to_json_best_effort()),
         }
+        self.check_for_errors()  # a previous asynchronous save that failed
         try:
-            self.manager.check_for_errors()  # a previous asynchronous save that failed
             saved = self.manager.save(
                 step,
                 args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
                 force=force,
             )
         except Exception as err:  # any storage failure: reported as one line, the run stops
-            raise self._save_failed(step, err) from None
+            # orbax finishes the previous asynchronous save first: its failure surfaces here.
+            in_flight = self.last_saved is not None and self.last_saved not in self.steps()
+            raise self._save_failed(self.last_saved if in_flight else step, err) from None
         if saved:
             self.last_saved = step
         return saved
@@ -116,7 +118,7 @@ class Checkpointer:
         )
         return CheckpointError(
             f"saving checkpoint {step} to {self.directory} failed ({_one_line(err)}); {kept}. "
-            "Free space or fix permissions, then run the same command again to resume"
+            "Free space or fix permissions, then run the same command again to resume (details in fbt-train.log)"
         )
 
     def close(self) -> None:

@@ -57,3 +57,51 @@ def reported(prog: str) -> Iterator[None]:
                 print(f"{prog}: {prefix}{text}", file=sys.stderr)
                 sys.exit(code)
         raise
+
+
+def divert_library_noise(log_path: str) -> None:
+    """Send the storage libraries' own error reports to `log_path` instead of the terminal.
+
+    When a checkpoint write fails (disk full, permissions), orbax logs the failure with a
+    traceback from each of its writer threads, and tensorstore callbacks that fire after orbax
+    closed its event loop print "Event loop is closed" tracebacks. The run reports the failure
+    itself, as one line naming the cause; the libraries' details are kept in the log file.
+    """
+    import logging
+    import os
+
+    class BestEffortFile(logging.FileHandler):
+        def handleError(self, record: logging.LogRecord) -> None:
+            pass  # the log cannot be written (the disk that failed the save is full): the run's one line stands
+
+    handler = BestEffortFile(log_path, delay=True, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(pathname)s:%(lineno)d %(message)s"))
+
+    class Divert(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            from_storage = f"{os.sep}orbax{os.sep}" in record.pathname or record.name == "asyncio"
+            if record.levelno >= logging.ERROR and from_storage:
+                os.makedirs(os.path.dirname(log_path), exist_ok=True)
+                handler.handle(record)
+                return False
+            return True
+
+    for root_handler in logging.getLogger().handlers:
+        root_handler.addFilter(Divert())
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:  # tensorstore's callbacks report through sys.unraisablehook
+        value = unraisable.exc_value
+        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+            import traceback
+
+            try:
+                os.makedirs(os.path.dirname(log_path), exist_ok=True)
+                with open(log_path, "a", encoding="utf-8") as f:
+                    f.write("".join(traceback.format_exception(unraisable.exc_type, value, unraisable.exc_traceback)))
+            except OSError:
+                pass  # as above: best effort, the failure itself was reported
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook

@@ -29,7 +29,7 @@ from flax import nnx, struct
 from fbt_jax import checkpoint, distributed, paths, sharding, workdir
 from fbt_jax.config import validate_config
 from fbt_jax.data.pipeline import StepBatches, batch_iterator, make_source
-from fbt_jax.errors import CheckpointError, ConfigError, Preempted, reported
+from fbt_jax.errors import CheckpointError, ConfigError, Preempted, divert_library_noise, reported
 from fbt_jax.feedback import PassOptions, draw_fuse_from, kpass_forward, kpass_loss, token_nll
 from fbt_jax.metrics import MetricsWriter
 from fbt_jax.model import ModelConfig, abstract_model, build_model, count_params
@@ -625,6 +625,7 @@ def main(argv: list[str]) -> None:
             print(dry_run(config))
             return
         paths.check_config_urls(config)
+        divert_library_noise(os.path.join(workdir.local_dir(config.workdir), "fbt-train.log"))
         distributed.initialize(config.distributed)
         summary = Trainer(config).train()
     if jax.process_index() == 0:

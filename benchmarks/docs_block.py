@@ -1,0 +1,121 @@
+"""Writes a benchmark's figures into the Markdown file that documents them.
+
+A benchmark run with `--write-docs PATH` replaces, in PATH, everything between the lines
+
+    <!-- begin: benchmarks/<name>.py -->
+    <!-- end: benchmarks/<name>.py -->
+
+with a table of the figures it just measured (the marker lines and the rest of the file stay as
+they are). Missing markers stop the run with one line naming the file and the marker.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+from collections.abc import Sequence
+
+
+class DocsBlockError(ValueError):
+    """The Markdown file lacks the benchmark's markers (or has them more than once, or reversed)."""
+
+
+def markers(name: str) -> tuple[str, str]:
+    """The begin and end marker lines of benchmark `name` (e.g. "step_cost")."""
+    return f"<!-- begin: benchmarks/{name}.py -->", f"<!-- end: benchmarks/{name}.py -->"
+
+
+def replace_block(text: str, name: str, body: str) -> str:
+    """`text` with the lines between the markers of `name` replaced by `body`."""
+    begin, end = markers(name)
+    lines = text.splitlines(keepends=True)
+    stripped = [line.strip() for line in lines]
+    for marker in (begin, end):
+        count = stripped.count(marker)
+        if count == 0:
+            raise DocsBlockError(f"no marker line {marker} (add the pair {begin} / {end} where the figures go)")
+        if count > 1:
+            raise DocsBlockError(f"marker line {marker} appears {count} times, not once")
+    first, last = stripped.index(begin), stripped.index(end)
+    if last < first:
+        raise DocsBlockError(f"marker line {end} comes before {begin}")
+    if not lines[first].endswith("\n"):
+        lines[first] += "\n"
+    return "".join(lines[: first + 1]) + body.rstrip("\n") + "\n" + "".join(lines[last:])
+
+
+def check_block(path: str, name: str) -> None:
+    """Exit with one line unless `path` can be read and holds the markers of `name` (called before
+    measuring, so that a wrong path fails in a second rather than after the whole run)."""
+    _rewrite(path, name, None)
+
+
+def write_block(path: str, name: str, body: str) -> None:
+    """Replace the block of benchmark `name` in the Markdown file `path`; on any problem, exit
+    with one line (`<name>.py: --write-docs <path>: <what is wrong>`)."""
+    _rewrite(path, name, body)
+    print(f"wrote the figures of benchmarks/{name}.py into {path}", file=sys.stderr)
+
+
+def _rewrite(path: str, name: str, body: str | None) -> None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        new_text = replace_block(text, name, body or "")
+        if body is not None:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(new_text)
+    except (OSError, UnicodeDecodeError, DocsBlockError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        sys.exit(f"{name}.py: --write-docs {path}: {reason}")
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown table (cells are written with str())."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def machine_line(devices: Sequence[object], extra: str = "", smoke: bool = False) -> str:
+    """One line naming the machine: the devices (counted per kind), the CPU cores, and `extra`
+    (e.g. the peak FLOP/s measured in the same run)."""
+    kinds = collections.Counter(
+        d.platform if d.device_kind.lower() == d.platform.lower() else f"{d.platform} ({d.device_kind})"
+        for d in devices
+    )
+    described = ", ".join(f"{n} × {kind}" for kind, n in kinds.items())
+    line = f"Machine: {described}; {os.cpu_count()} CPU cores"
+    if extra:
+        line += f"; {extra}"
+    line += "."
+    if smoke:
+        line += " Smoke run (tiny sizes, 1–2 rounds): these figures only show that the benchmark runs."
+    return line
+
+
+def run_arguments(argv: Sequence[str]) -> str:
+    """The command-line arguments of a run, less `--write-docs PATH` (for the block's first line)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--write-docs":
+            skip = True
+        elif not arg.startswith("--write-docs="):
+            out.append(arg)
+    return " ".join(out)
+
+
+def block(script: str, args_line: str, machine: str, tables: Sequence[str], notes: Sequence[str] = ()) -> str:
+    """The whole block: what was run, the machine, the tables and any notes, blank-line separated."""
+    parts = [f"Written by `python benchmarks/{script}.py{' ' + args_line if args_line else ''}`. {machine}"]
+    parts += list(tables) + list(notes)
+    return "\n\n".join(parts)
+
+
+def ms(seconds: float) -> str:
+    """A time in milliseconds with about three significant digits."""
+    value = seconds * 1e3
+    return f"{value:.3g} ms" if value < 100 else f"{value:.0f} ms"
