@@ -3,7 +3,7 @@
 # other hosts from the TPU metadata, so no coordinator flags are needed).
 #
 #   launch/tpu_pod.sh [--dry-run] [--setup] TPU_NAME ZONE <fbt-train args...>
-#   e.g. launch/tpu_pod.sh my-v5p-128 us-east5-a --config=configs/fbt_1b.py --config.workdir=runs/1b --config.checkpoint.dir=gs://bucket/runs/1b/checkpoints
+#   e.g. launch/tpu_pod.sh my-v5p-128 us-east5-a --config=configs/fbt_1b.py --config.workdir=gs://bucket/runs/1b
 #
 # --setup first copies this checkout to every worker and installs it (pip install -e .).
 # --dry-run prints the gcloud commands without running them. Environment:

@@ -1,0 +1,257 @@
+"""Docs are tests: every shell command in README.md and docs/*.md runs as written.
+
+Commands live in fenced ```sh blocks (other code is ```text or ```python). Each command either
+appears in RUNS below, which runs it from the repository root exactly as written (at most a
+shortening override appended), or carries a visible `# needs: <what>` marker (a pod, a cluster,
+a bucket). A new command that is neither fails `test_every_documented_command_is_run_or_marked`.
+"""
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+from test_config import ROOT
+
+DOCS = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+NEEDS = re.compile(r"#\s*needs:\s*\S")
+FENCE = re.compile(r"^```(\S*)\s*$")
+CI_COMMAND = 'pip install -e ".[test]" && python -m pytest'  # .ci/run's own command: checked, not rerun
+
+# (doc, command as written, what to append, text the output must contain), in the order a reader
+# runs them: later commands use the runs that earlier ones made (runs/tiny, runs/text).
+RUNS = [
+    (
+        "README.md",
+        "pip install -e . && fbt-train --config=configs/tiny.py",
+        "--config.train.steps=1000",
+        "trained 1000 steps",
+    ),
+    (
+        "README.md",
+        "pip install -e . && fbt-train --config=configs/tiny.py",
+        "--config.train.steps=1100",
+        "resuming from checkpoint",
+    ),
+    (
+        "docs/checkpointing.md",
+        "fbt-train --config=configs/tiny.py --config.workdir=runs/tiny       # kill it at any moment …",
+        "--config.train.steps=1150",
+        "resuming from checkpoint",
+    ),
+    (
+        "docs/checkpointing.md",
+        "fbt-train --config=configs/tiny.py --config.workdir=runs/tiny       # … and run it again: it resumes",
+        "--config.train.steps=1200",
+        "resuming from checkpoint",
+    ),
+    (
+        "docs/decoding.md",
+        'fbt-decode --checkpoint=runs/tiny --mode=soft --prompt="3 1 4 1 5" --max-new-tokens=8',
+        "",
+        '"mode": "soft"',
+    ),
+    ("docs/decoding.md", "fbt-eval --checkpoint=runs/tiny --output=runs/tiny/eval", "", "wrote "),
+    (
+        "docs/config.md",
+        'fbt-train --config=configs/tiny.py --config.workdir=runs/schedule --config.train.steps=100 --config.passes.schedule="0:1; 0.5:2"',
+        "",
+        "trained 100 steps",
+    ),
+    (
+        "docs/data.md",
+        "fbt-prepare --input=\"$(python -c 'import email, os; print(os.path.dirname(email.__file__))')/*.py\" "
+        "--output=prepared/email-128 --seq-len=128 --validation-fraction=0.1",
+        "",
+        "validation records",
+    ),
+    (
+        "docs/data.md",
+        "fbt-train --config=configs/tiny.py --config.workdir=runs/text --config.data.source=text "
+        "--config.data.path=prepared/email-128 --config.data.seq_len=128 --config.model.vocab_size=257",
+        "--config.train.steps=60",
+        "trained 60 steps",
+    ),
+    ("docs/decoding.md", "printf 'import json\\ndef main(\\n' > prompts.txt", "", ""),
+    (
+        "docs/decoding.md",
+        "fbt-decode --checkpoint=runs/text --mode=fused --prompts-file=prompts.txt --temperature=0.8 --top-p=0.95 "
+        "--output=gen.jsonl",
+        "",
+        "wrote 2 generations",
+    ),
+    ("docs/launch.md", "fbt-train --config=configs/fbt_1b.py --config.dry_run=True", "", "dry run complete"),
+    (
+        "docs/launch.md",
+        "launch/local.sh 2 --config=configs/tiny.py --config.workdir=runs/local2",
+        "--config.train.steps=60",
+        "trained 60 steps",
+    ),
+    (
+        "docs/launch.md",
+        "launch/tpu_pod.sh --dry-run my-v5p-128 us-east5-a --config=configs/fbt_1b.py --config.workdir=gs://bucket/runs/1b",
+        "",
+        "gcloud compute tpus tpu-vm ssh my-v5p-128",
+    ),
+    ("docs/launch.md", "DRY_RUN=1 bash launch/slurm_gpu.sbatch --config=configs/fbt_1b.py", "", "srun"),
+]
+# What those commands create in the checkout (kept aside beforehand, removed afterwards).
+CREATED = ["runs/tiny", "runs/schedule", "runs/text", "runs/local2", "prepared/email-128", "prompts.txt", "gen.jsonl"]
+
+
+def documented_commands():
+    """(doc, line number, command) of every line in a ```sh block, continuation lines joined."""
+    found = []
+    for doc in DOCS:
+        language = None
+        pending = ""
+        for number, line in enumerate(open(os.path.join(ROOT, doc), encoding="utf-8"), start=1):
+            line = line.rstrip("\n")
+            fence = FENCE.match(line)
+            if fence:
+                language = None if language is not None else fence.group(1)
+                continue
+            if language in ("sh", "bash") and line.strip():
+                pending += line.rstrip("\\").strip() + " " if line.endswith("\\") else line.strip()
+                if not line.endswith("\\"):
+                    found.append((doc, number, pending.strip()))
+                    pending = ""
+    return found
+
+
+def test_code_blocks_are_fenced_and_typed():
+    """Commands are findable only if every code block says what it holds."""
+    for doc in DOCS:
+        lines = open(os.path.join(ROOT, doc), encoding="utf-8").read().split("\n")
+        inside = False
+        for number, line in enumerate(lines, start=1):
+            fence = FENCE.match(line)
+            if fence:
+                if not inside:
+                    assert fence.group(1) in ("sh", "bash", "text", "python"), f"{doc}:{number}: untyped code block"
+                inside = not inside
+                continue
+            indented_code = line.startswith("    ") and number > 1 and not lines[number - 2].strip()
+            in_list = line.lstrip().startswith(("-", "*", "|")) or re.match(r"\s*\d+\.", line)
+            assert inside or not indented_code or in_list, (
+                f"{doc}:{number}: indented code block; fence it with ```sh or ```text"
+            )
+        assert not inside, f"{doc}: unclosed code block"
+
+
+def test_every_documented_command_is_run_or_marked():
+    registered = {(doc, command) for doc, command, _, _ in RUNS}
+    for doc, number, command in documented_commands():
+        if command == CI_COMMAND:
+            assert CI_COMMAND in open(os.path.join(ROOT, ".ci", "run")).read(), (
+                ".ci/run must run the README's test command"
+            )
+            continue
+        assert (doc, command) in registered or NEEDS.search(command), (
+            f"{doc}:{number}: `{command}` is neither run by tests/test_docs.py (add it to RUNS) nor marked `# needs: ...`"
+        )
+    documented = {(doc, command) for doc, _, command in documented_commands()}
+    stale = registered - documented
+    assert not stale, f"RUNS lists commands the docs no longer have: {stale}"
+
+
+def test_figures_in_docs_come_from_their_scripts():
+    """Every block of figures names the benchmark that writes it, which exists, and is filled."""
+    for doc in DOCS:
+        text = open(os.path.join(ROOT, doc), encoding="utf-8").read()
+        for script in re.findall(r"<!-- begin: (benchmarks/\S+\.py) -->", text):
+            assert os.path.isfile(os.path.join(ROOT, script)), f"{doc}: {script} does not exist"
+            block = text.split(f"<!-- begin: {script} -->")[1].split(f"<!-- end: {script} -->")[0]
+            assert f"Written by `python {script}" in block, (
+                f"{doc}: the block of {script} is empty; run it with --write-docs {doc}"
+            )
+
+
+@pytest.fixture
+def checkout_outputs():
+    """Keep aside what the documented commands would overwrite in the checkout, and put it back."""
+    stash = os.path.join(ROOT, "runs", f".docs-test-stash-{os.getpid()}")
+    kept = []
+    for path in CREATED:
+        if os.path.exists(os.path.join(ROOT, path)):
+            os.makedirs(os.path.dirname(os.path.join(stash, path)), exist_ok=True)
+            shutil.move(os.path.join(ROOT, path), os.path.join(stash, path))
+            kept.append(path)
+    made_dirs = [d for d in ("runs", "prepared") if not os.path.exists(os.path.join(ROOT, d))]
+    yield
+    for path in CREATED:
+        full = os.path.join(ROOT, path)
+        if os.path.isdir(full):
+            shutil.rmtree(full)
+        elif os.path.exists(full):
+            os.remove(full)
+    for path in kept:
+        shutil.move(os.path.join(stash, path), os.path.join(ROOT, path))
+    shutil.rmtree(stash, ignore_errors=True)
+    for d in made_dirs:
+        if os.path.isdir(os.path.join(ROOT, d)) and not os.listdir(os.path.join(ROOT, d)):
+            os.rmdir(os.path.join(ROOT, d))
+
+
+def cli_env():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    env.pop("XLA_FLAGS", None)  # the commands run as a user runs them: one CPU device
+    return env
+
+
+@pytest.mark.slow
+def test_documented_commands_work_as_written(checkout_outputs):
+    for doc, command, append, expected in RUNS:
+        line = f"{command} {append}".strip() if "#" not in command else command.replace("#", f"{append} #", 1)
+        result = subprocess.run(
+            ["bash", "-c", line], cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=900
+        )
+        output = result.stdout + result.stderr
+        assert result.returncode == 0, f"{doc}: `{line}` failed ({result.returncode}):\n{output[-3000:]}"
+        assert expected in output, f"{doc}: `{line}` did not print {expected!r}:\n{output[-3000:]}"
+    assert os.path.isfile(os.path.join(ROOT, "runs", "tiny", "checkpoints", "1000", "commit_success.txt"))
+    assert os.path.isfile(os.path.join(ROOT, "runs", "tiny", "eval", "report.json"))
+
+
+@pytest.mark.slow
+def test_first_command_from_another_directory_with_relative_paths(tmp_path):
+    """Relative paths are relative to where the command starts, whatever the command does later."""
+    train = [
+        "fbt-train",
+        f"--config={ROOT}/configs/tiny.py",
+        "--config.workdir=rel/tiny",
+        "--config.eval.num_batches=1",
+    ]
+    first = subprocess.run(
+        [*train, "--config.train.steps=60", "--config.checkpoint.every_steps=30"],
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert os.path.isdir(tmp_path / "rel" / "tiny" / "checkpoints" / "30")
+    again = subprocess.run(
+        [*train, "--config.train.steps=90", "--config.checkpoint.every_steps=30"],
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert again.returncode == 0 and f"{tmp_path}/rel/tiny/checkpoints/60 (step 60)" in again.stdout, again.stderr[
+        -2000:
+    ]
+    decode = subprocess.run(
+        ["fbt-decode", "--checkpoint=rel/tiny", "--prompt=1 2 3", "--max-new-tokens=4", "--output=out/gen.jsonl"],
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert decode.returncode == 2 and "out/gen.jsonl" in decode.stderr and "does not exist" in decode.stderr
+    os.makedirs(tmp_path / "out")
+    decode = subprocess.run(decode.args, cwd=tmp_path, env=cli_env(), capture_output=True, text=True)
+    assert decode.returncode == 0 and os.path.isfile(tmp_path / "out" / "gen.jsonl"), decode.stderr[-2000:]
