@@ -1,0 +1,134 @@
+"""Paths: local ones made absolute once, at the entry point; gs:// URLs kept, checked, and routed to
+the cloud storage layer (exercised against a local stand-in for the Cloud Storage JSON API)."""
+
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+from test_config import ROOT, load_config
+
+from fbt_jax import paths
+from fbt_jax.errors import ConfigError
+
+
+def test_local_paths_become_absolute_from_the_starting_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert paths.resolve("runs/tiny", "--config.workdir") == str(tmp_path / "runs" / "tiny")
+    assert paths.resolve("~/x", "--output") == os.path.join(os.path.expanduser("~"), "x")
+    assert paths.resolve("", "--config.init_from") == ""  # unset stays unset
+    config = load_config("tiny")
+    config.workdir, config.data.path, config.init_from = "runs/a", "corpus/*.txt", "../trunk"
+    paths.resolve_config_paths(config)
+    assert config.workdir == str(tmp_path / "runs" / "a")
+    assert config.data.path == str(tmp_path / "corpus" / "*.txt")  # globs too
+    assert config.init_from == str(tmp_path.parent / "trunk")
+
+
+def test_urls_are_kept_as_urls():
+    for url in ("gs://bucket/runs/1b", "gs://my.bucket-2/a/b/", "GS://bucket/x"):
+        resolved = paths.resolve(url, "--config.workdir")
+        assert resolved.startswith("gs://") and not os.path.isabs(resolved)
+    assert paths.resolve("gs://bucket/runs/1b/", "--config.workdir") == "gs://bucket/runs/1b"
+
+
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("gs:/bucket/run", "is not a valid URL; write it as gs://bucket/dir"),
+        ("gs://", "names no valid bucket"),
+        ("gs://UPPER_case!/run", "names no valid bucket"),
+        ("s3://bucket/run", "scheme s3://, which is not supported"),
+    ],
+)
+def test_malformed_urls_are_one_line_errors(url, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        paths.resolve(url, "--config.workdir")
+    assert "\n" not in str(err.value) and "--config.workdir" in str(err.value)
+
+
+def test_the_data_cache_must_be_local():
+    config = load_config("tiny")
+    config.data.cache_dir = "gs://bucket/cache"
+    with pytest.raises(ConfigError, match="data.cache_dir.*must be a local directory"):
+        paths.resolve_config_paths(config)
+
+
+class FakeCloudStorage(http.server.ThreadingHTTPServer):
+    """Answers the Cloud Storage JSON API with 404 for every bucket, and records the requests."""
+
+    def __init__(self):
+        self.requests: list[str] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(handler):  # noqa: N805
+                self.requests.append(handler.path)
+                body = json.dumps({"error": {"code": 404, "message": "Not Found"}}).encode()
+                handler.send_response(404)
+                handler.send_header("Content-Type", "application/json")
+                handler.send_header("Content-Length", str(len(body)))
+                handler.end_headers()
+                handler.wfile.write(body)
+
+            def log_message(handler, *args):  # noqa: N805
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+@pytest.fixture
+def cloud():
+    server = FakeCloudStorage()
+    yield server
+    server.shutdown()
+
+
+def test_a_gs_workdir_reaches_cloud_storage_and_a_missing_bucket_is_one_line(cloud, tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "STORAGE_EMULATOR_HOST": cloud.url}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fbt_jax.train",
+            f"--config={ROOT}/configs/tiny.py",
+            "--config.workdir=gs://fbt-no-bucket/run",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[-1] == (
+        "fbt-train: config error: --config.workdir='gs://fbt-no-bucket/run': bucket gs://fbt-no-bucket does not exist; "
+        "create it or fix the name"
+    )
+    assert "Traceback" not in result.stderr and "compiled" not in result.stdout
+    assert any(r.startswith("/storage/v1/b/fbt-no-bucket") for r in cloud.requests)  # the cloud layer was asked
+    assert os.listdir(tmp_path) == []  # nothing local was made of the URL (no ./gs:/...)
+
+
+def test_fbt_prepare_to_a_missing_bucket_is_one_line(cloud, tmp_path):
+    corpus = tmp_path / "doc.txt"
+    corpus.write_text("some text " * 100)
+    env = {**os.environ, "STORAGE_EMULATOR_HOST": cloud.url}
+    result = subprocess.run(
+        ["fbt-prepare", f"--input={corpus}", "--output=gs://fbt-no-bucket/prepared", "--seq-len=16"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2 and "bucket gs://fbt-no-bucket does not exist" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and sorted(os.listdir(tmp_path)) == ["doc.txt"]
