@@ -18,7 +18,6 @@ sequences of 32 tokens, one round (seconds); `--write-docs PATH` rewrites the
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -121,14 +120,12 @@ def save_restore_times(tmp: str, width: int, repeats: int = 3, seq_len: int = 12
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps-per-round", type=int, default=6)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes and one round: checks that it runs")
-    parser.add_argument("--write-docs", metavar="PATH", help="rewrite this benchmark's block in the Markdown file PATH")
-    args = parser.parse_args()
-    if args.write_docs:
-        docs_block.check_block(args.write_docs, "checkpoint_cost")
+    args = docs_block.arguments(
+        __doc__,
+        "checkpoint_cost",
+        "tiny sizes and one round: checks that it runs",
+        extra=[("--rounds", dict(type=int, default=5)), ("--steps-per-round", dict(type=int, default=6))],
+    )
     sizes_cfg = SMOKE if args.smoke else FULL
     repeats = 3
     if args.smoke:

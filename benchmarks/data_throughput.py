@@ -16,7 +16,6 @@ with the tables (see docs_block.py).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -87,13 +86,12 @@ def main() -> None:
     from absl import flags
 
     flags.FLAGS.mark_as_parsed()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=int, default=200)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes and few batches: checks that it runs")
-    parser.add_argument("--write-docs", metavar="PATH", help="rewrite this benchmark's block in the Markdown file PATH")
-    args = parser.parse_args()
-    if args.write_docs:
-        docs_block.check_block(args.write_docs, "data_throughput")
+    args = docs_block.arguments(
+        __doc__,
+        "data_throughput",
+        "tiny sizes and few batches: checks that it runs",
+        extra=[("--batches", dict(type=int, default=200))],
+    )
     num_docs, warmup, model_rounds = 3000, 10, 15
     if args.smoke:
         args.batches, num_docs, warmup, model_rounds = 5, 100, 2, 2

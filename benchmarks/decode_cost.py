@@ -15,7 +15,6 @@ block of the Markdown file PATH with the table (see docs_block.py).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -82,13 +81,12 @@ def measure(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes and two steps: checks that it runs")
-    parser.add_argument("--write-docs", metavar="PATH", help="rewrite this benchmark's block in the Markdown file PATH")
-    args = parser.parse_args()
-    if args.write_docs:
-        docs_block.check_block(args.write_docs, "decode_cost")
+    args = docs_block.arguments(
+        __doc__,
+        "decode_cost",
+        "tiny sizes and two steps: checks that it runs",
+        extra=[("--steps", dict(type=int, default=200))],
+    )
     sizes = {"batch": BATCH, "prompt": PROMPT, "cache": CACHE}
     configs = (("tiny", tiny_config()), ("cpu_bigger", bigger_model_config()))
     prefill_repeats = 5

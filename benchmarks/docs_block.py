@@ -11,6 +11,7 @@ they are). Missing markers stop the run with one line naming the file and the ma
 
 from __future__ import annotations
 
+import argparse
 import collections
 import os
 import sys
@@ -43,6 +44,20 @@ def replace_block(text: str, name: str, body: str) -> str:
     if not lines[first].endswith("\n"):
         lines[first] += "\n"
     return "".join(lines[: first + 1]) + body.rstrip("\n") + "\n" + "".join(lines[last:])
+
+
+def arguments(doc: str, name: str, smoke_help: str, extra: Sequence[tuple[str, dict]] = ()) -> argparse.Namespace:
+    """The command line every benchmark shares (its own options in `extra`, then --smoke and
+    --write-docs); a --write-docs file without this benchmark's markers fails here, before measuring."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    for flag, options in extra:
+        parser.add_argument(flag, **options)
+    parser.add_argument("--smoke", action="store_true", help=smoke_help)
+    parser.add_argument("--write-docs", metavar="PATH", help="rewrite this benchmark's block in the Markdown file PATH")
+    args = parser.parse_args()
+    if args.write_docs:
+        check_block(args.write_docs, name)
+    return args
 
 
 def check_block(path: str, name: str) -> None:

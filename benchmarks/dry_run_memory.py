@@ -11,7 +11,6 @@ writes the report into the block of PATH between the markers of this script.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -26,12 +25,7 @@ import docs_block  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="the tiny config on 8 devices: checks that it runs")
-    parser.add_argument("--write-docs", metavar="PATH", help="write the report into this Markdown file")
-    args = parser.parse_args()
-    if args.write_docs:
-        docs_block.check_block(args.write_docs, "dry_run_memory")
+    args = docs_block.arguments(__doc__, "dry_run_memory", "the tiny config on 8 devices: checks that it runs")
     command = ["fbt-train", "--config=configs/fbt_1b.py", "--config.dry_run=True"]
     if args.smoke:
         command = ["fbt-train", "--config=configs/tiny.py", "--config.dry_run=True", "--config.dry_run_devices=8"]

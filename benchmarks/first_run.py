@@ -10,7 +10,6 @@ into the block of PATH between the markers of this script (see docs_block.py).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -27,12 +26,7 @@ COMMAND = ["fbt-train", "--config=configs/tiny.py"]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="60 steps: checks that it runs")
-    parser.add_argument("--write-docs", metavar="PATH", help="write the summary into this Markdown file")
-    args = parser.parse_args()
-    if args.write_docs:
-        docs_block.check_block(args.write_docs, "first_run")
+    args = docs_block.arguments(__doc__, "first_run", "60 steps: checks that it runs")
     with tempfile.TemporaryDirectory() as tmp:
         workdir = os.path.join(tmp, "tiny")
         command = [*COMMAND, f"--config.workdir={workdir}"] + (["--config.train.steps=60"] if args.smoke else [])

@@ -22,7 +22,6 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
-import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -99,14 +98,12 @@ def compile_times(config, devices) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--steps-per-round", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes and one round: checks that it runs")
-    parser.add_argument("--write-docs", metavar="PATH", help="rewrite this benchmark's block in the Markdown file PATH")
-    args = parser.parse_args()
-    if args.write_docs:
-        docs_block.check_block(args.write_docs, "sharding_overhead")
+    args = docs_block.arguments(
+        __doc__,
+        "sharding_overhead",
+        "tiny sizes and one round: checks that it runs",
+        extra=[("--rounds", dict(type=int, default=9)), ("--steps-per-round", dict(type=int, default=3))],
+    )
     meshes, tiny_schedule, one_b_schedule = MESHES, "0:1=0.4,2=0.3,3=0.3", None
     if args.smoke:
         args.rounds, args.steps_per_round = 1, 1

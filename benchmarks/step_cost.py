@@ -15,7 +15,6 @@ config only, with small matmuls and one round (seconds); `--write-docs PATH` rew
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -93,14 +92,12 @@ def time_steps(config, rounds: int, steps_per_round: int) -> dict[int, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--steps-per-round", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes and one round: checks that it runs")
-    parser.add_argument("--write-docs", metavar="PATH", help="rewrite this benchmark's block in the Markdown file PATH")
-    args = parser.parse_args()
-    if args.write_docs:
-        docs_block.check_block(args.write_docs, "step_cost")
+    args = docs_block.arguments(
+        __doc__,
+        "step_cost",
+        "tiny sizes and one round: checks that it runs",
+        extra=[("--rounds", dict(type=int, default=15)), ("--steps-per-round", dict(type=int, default=3))],
+    )
     if args.smoke:
         args.rounds, args.steps_per_round = 1, 1
         configs = (("tiny", tiny_config()),)

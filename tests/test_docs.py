@@ -219,39 +219,27 @@ def test_documented_commands_work_as_written(checkout_outputs):
 @pytest.mark.slow
 def test_first_command_from_another_directory_with_relative_paths(tmp_path):
     """Relative paths are relative to where the command starts, whatever the command does later."""
+
+    def run(*args):
+        return subprocess.run(list(args), cwd=tmp_path, env=cli_env(), capture_output=True, text=True)
+
     train = [
         "fbt-train",
         f"--config={ROOT}/configs/tiny.py",
         "--config.workdir=rel/tiny",
         "--config.eval.num_batches=1",
     ]
-    first = subprocess.run(
-        [*train, "--config.train.steps=60", "--config.checkpoint.every_steps=30"],
-        cwd=tmp_path,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-    )
+    first = run(*train, "--config.train.steps=60", "--config.checkpoint.every_steps=30")
     assert first.returncode == 0, first.stderr[-2000:]
     assert os.path.isdir(tmp_path / "rel" / "tiny" / "checkpoints" / "30")
-    again = subprocess.run(
-        [*train, "--config.train.steps=90", "--config.checkpoint.every_steps=30"],
-        cwd=tmp_path,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
+    again = run(*train, "--config.train.steps=90", "--config.checkpoint.every_steps=30")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"{tmp_path}/rel/tiny/checkpoints/60 (step 60)" in again.stdout
+    decode = ["fbt-decode", "--checkpoint=rel/tiny", "--prompt=1 2 3", "--max-new-tokens=4", "--output=out/gen.jsonl"]
+    missing_dir = run(*decode)
+    assert (
+        missing_dir.returncode == 2 and "out/gen.jsonl" in missing_dir.stderr and "does not exist" in missing_dir.stderr
     )
-    assert again.returncode == 0 and f"{tmp_path}/rel/tiny/checkpoints/60 (step 60)" in again.stdout, again.stderr[
-        -2000:
-    ]
-    decode = subprocess.run(
-        ["fbt-decode", "--checkpoint=rel/tiny", "--prompt=1 2 3", "--max-new-tokens=4", "--output=out/gen.jsonl"],
-        cwd=tmp_path,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-    )
-    assert decode.returncode == 2 and "out/gen.jsonl" in decode.stderr and "does not exist" in decode.stderr
     os.makedirs(tmp_path / "out")
-    decode = subprocess.run(decode.args, cwd=tmp_path, env=cli_env(), capture_output=True, text=True)
-    assert decode.returncode == 0 and os.path.isfile(tmp_path / "out" / "gen.jsonl"), decode.stderr[-2000:]
+    written = run(*decode)
+    assert written.returncode == 0 and os.path.isfile(tmp_path / "out" / "gen.jsonl"), written.stderr[-2000:]
