@@ -23,6 +23,7 @@ import ml_collections
 import orbax.checkpoint as ocp
 from etils import epath
 
+from fbt_jax import paths
 from fbt_jax.errors import CheckpointError, ConfigError
 
 # Fields of `model` that change the parameters' structure or meaning; the rest (remat) may differ.
@@ -54,6 +55,7 @@ class Checkpointer:
             enable_background_delete=True,  # retention deletes off the training thread
             create=True,
         )
+        paths.check_output_dir(str(directory), "--config.checkpoint.dir")  # a file, or not writable: one line
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options)
         except (OSError, ValueError) as err:  # e.g. the path is a file, or not writable
