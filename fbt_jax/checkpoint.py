@@ -213,7 +213,11 @@ def _one_line(err: BaseException) -> str:
 
 
 def check_compatible(
-    meta: dict[str, Any], config: ml_collections.ConfigDict, where: str, layout: str | None = None
+    meta: dict[str, Any],
+    config: ml_collections.ConfigDict,
+    where: str,
+    layout: str | None = None,
+    fix: str = "use a new workdir, or the original model settings to resume",
 ) -> None:
     """ConfigError unless the checkpoint's model (and, given `layout`, its whole train state
     including the optimizer's) matches the current config: such a checkpoint is not damaged."""
@@ -224,10 +228,7 @@ def check_compatible(
         if saved.get(k) != current.get(k)
     ]
     if differences:
-        raise ConfigError(
-            f"the checkpoint {where} was written by a different model ({'; '.join(differences)}); use a new workdir, "
-            "or the original model settings to resume"
-        )
+        raise ConfigError(f"the checkpoint {where} was written by a different model ({'; '.join(differences)}); {fix}")
     if layout is not None and meta.get("state_layout") not in (None, layout):
         saved_opt = meta.get("config", {}).get("optimizer", {})
         changed = [
@@ -268,7 +269,12 @@ def load_params(path: str, abstract_params: Any, config: ml_collections.ConfigDi
 
     def restore(manager: ocp.CheckpointManager, step: int) -> Any:
         meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        check_compatible(meta, config, f"{path}/{step}")
+        check_compatible(
+            meta,
+            config,
+            f"{manager.directory}/{step}",
+            fix="init_from needs the same model: set the model fields to that run's values, or choose another run",
+        )
         return _restore_params(manager, step, abstract_params)
 
     return _newest_that_restores(path, "--config.init_from", restore, log, "initialised parameters from")
@@ -315,7 +321,9 @@ def _newest_that_restores(path: str, flag: str, restore: Any, log: Any, done: st
     if failures:
         step, err = failures[0]
         raise CheckpointError(
-            f"{flag}={path!r}: none of its {len(failures)} checkpoint(s) restores (newest, step {step}: {_one_line(err)})"
+            f"{flag}={path!r}: none of its {len(failures)} checkpoint(s) restores (newest, step {step}: "
+            f"{_one_line(err)}); nothing was changed. Check that it is a complete run of this fbt-jax version, "
+            f"or point {flag} at another run"
         )
     raise ConfigError(f"{flag}={path!r} holds no checkpoint; train with --config.checkpoint.every_steps > 0 first")
 

@@ -8,9 +8,11 @@ raises `ConfigError` with one line naming the field and the fix.
 from __future__ import annotations
 
 import math
+import os
 
 import ml_collections
 
+from fbt_jax import paths
 from fbt_jax.data.pipeline import validate_data
 from fbt_jax.errors import ConfigError
 from fbt_jax.feedback import FUSIONS
@@ -290,4 +292,12 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
         f"distributed.mode={config.distributed.mode!r} is unknown; use auto, always or never",
     )
     _require(e.every_steps >= 0, f"eval.every_steps={e.every_steps} is negative; use 0 for a final eval only")
+    paths.check_config_dirs(config)
+    if config.init_from and not paths.is_url(config.init_from) and not config.dry_run:
+        # Checked here, before the train state is built, not only when it is loaded into it.
+        _require(
+            os.path.isdir(config.init_from),
+            f"--config.init_from={config.init_from!r} is not a directory; give a run's workdir or its checkpoints "
+            "directory, or '' to start from scratch",
+        )
     return schedule

@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 
 import jax.numpy as jnp
 import numpy as np
 
 from fbt_jax import decode, paths
-from fbt_jax.errors import ConfigError, reported
+from fbt_jax.errors import ConfigError, divert_library_noise, reported
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,6 +44,10 @@ def main(argv: list[str] | None = None) -> None:
         prompts = read_prompts(args)
         from fbt_jax.checkpoint import load_model
 
+        # Reading damaged checkpoints makes the storage libraries print tracebacks from their
+        # threads ("Event loop is closed"); the failure is reported as one line instead.
+        divert_library_noise(os.devnull)
+
         model, config = load_model(paths.resolve(args.checkpoint, "--checkpoint"), log=lambda *_: None)
         encode, render = codec(config)
         encoded = [encode(p) for p in prompts]
@@ -60,7 +65,9 @@ def main(argv: list[str] | None = None) -> None:
         vocab = model.cfg.vocab_size
         for stop in args.stop:
             if not 0 <= stop < vocab:
-                raise ConfigError(f"--stop={stop} is outside the vocabulary [0, {vocab})")
+                raise ConfigError(
+                    f"--stop={stop} is outside the vocabulary [0, {vocab}); give a token id below {vocab}"
+                )
         cache_len = int(lengths.max()) + args.max_new_tokens
         decode.check_request(model, padded, lengths, cache_len - args.max_new_tokens, args.mode)
         tokens, counts = decode.generate(

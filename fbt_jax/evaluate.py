@@ -21,7 +21,7 @@ import numpy as np
 import optax
 
 from fbt_jax import decode, paths
-from fbt_jax.errors import ConfigError, reported
+from fbt_jax.errors import ConfigError, divert_library_noise, reported
 from fbt_jax.feedback import default_positions, feedback_inputs, token_nll
 
 
@@ -268,14 +268,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     args = parser.parse_args(argv)
     with reported("fbt-eval"):
-        if args.max_depth < 0 or args.batch_size < 1 or (args.seq_len and args.seq_len < 4):
+        if args.batch_size < 1:
+            raise ConfigError(f"--batch-size={args.batch_size} must be at least 1")
+        if args.max_depth < 0:
             raise ConfigError(
-                "--batch-size must be at least 1, --max-depth at least 1 (0: the evaluation length), "
-                "--seq-len at least 4 (0: the trained length)"
+                f"--max-depth={args.max_depth} is negative; use at least 1, or 0 for the evaluation length + 1"
             )
+        if args.seq_len < 0 or 0 < args.seq_len < 4:
+            raise ConfigError(f"--seq-len={args.seq_len} is too short; use at least 4, or 0 for the trained length")
         output = paths.resolve(args.output, "--output")
         paths.check_output_dir(output, "--output")
         checkpoint_path = paths.resolve(args.checkpoint, "--checkpoint")
+        if not paths.is_url(output):
+            # The storage libraries' tracebacks from their threads when a checkpoint does not
+            # restore go to this log; the failure itself is reported as one line.
+            divert_library_noise(os.path.join(output, "fbt-eval.log"))
         report = evaluate(checkpoint_path, output, args.max_depth, args.seq_len, args.batch_size)
     depth = report["depth"]
     print(

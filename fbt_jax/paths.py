@@ -113,6 +113,19 @@ def resolve_config_paths(config: Any) -> None:
         config.data.tokenizer = resolve(tokenizer, "--config.data.tokenizer")
 
 
+# Directories a run writes into, checked before any work: a file in their place is an error.
+CONFIG_OUTPUT_DIRS = ("workdir", "checkpoint.dir", "data.cache_dir")
+
+
+def check_config_dirs(config: Any) -> None:
+    """ConfigError if a directory the run writes into is a file, or lies under one."""
+    for field in CONFIG_OUTPUT_DIRS:
+        section, _, name = field.rpartition(".")
+        value = (config[section] if section else config)[name]
+        if value:
+            check_dir_path(str(value), f"--config.{field}")
+
+
 def check_config_urls(config: Any) -> None:
     """Check, once, that every bucket the config names is reachable."""
     seen = set()
@@ -137,16 +150,25 @@ def check_output_file(path: str, flag: str) -> None:
         raise ConfigError(f"{flag}={path!r} is not writable; choose another path")
 
 
+def check_dir_path(path: str, flag: str) -> str:
+    """ConfigError if the local directory `path` cannot exist because it, or the nearest existing
+    directory above it, is a file; returns that nearest existing path ("" for a URL)."""
+    if is_url(path):
+        return ""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{flag}={path!r} is a file; give a directory")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{flag}={path!r} cannot be created: {existing} is a file; give a directory")
+    return existing
+
+
 def check_output_dir(path: str, flag: str) -> None:
     """ConfigError unless `path` is, or can be made, a writable directory."""
     if is_url(path):
         return
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(f"{flag}={path!r} is a file; give a directory")
-    existing = path
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ConfigError(f"{flag}={path!r} cannot be created: {existing} is a file")
+    existing = check_dir_path(path, flag)
     if not os.access(existing, os.W_OK):
         raise ConfigError(f"{flag}={path!r} is not writable ({existing}); choose another directory")

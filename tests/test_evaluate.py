@@ -93,7 +93,7 @@ def test_fbt_decode_generates_in_each_mode_and_rejects_bad_input(tmp_path, train
         lines = [json.loads(line) for line in result.stdout.strip().splitlines()]
         assert [len(line["tokens"]) for line in lines] == [5, 5] and lines[0]["mode"] == mode
     bad = {
-        "--checkpoint=/nonexistent": "does not exist",
+        "--checkpoint=/nonexistent": "is not a directory",
         "--mode=hard": "--mode='hard' is unknown",
         "--prompt=1 99": "token id 99 is outside the vocabulary",
     }

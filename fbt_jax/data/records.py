@@ -35,20 +35,23 @@ FORMAT_VERSION = 1
 SPLIT_NAMES = ("train", "validation")
 
 
-def text_files(pattern: str) -> list[str]:
-    """Files matched by a glob (or a single path); a clear error if none, or one is unreadable/empty."""
+def text_files(pattern: str, flag: str = "data.path") -> list[str]:
+    """Files matched by a glob (or a single path); a clear error if none, or one is unreadable/empty.
+
+    `flag` is how the user gave the glob (a config field or a command-line flag), named in errors.
+    """
     paths = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
     if not paths:
-        raise ConfigError(f"data.path={pattern!r} matches no file; give a glob of text files, e.g. 'corpus/*.txt'")
+        raise ConfigError(f"{flag}={pattern!r} matches no file; give a glob of text files, e.g. 'corpus/*.txt'")
     for path in paths:
         if not os.access(path, os.R_OK):
-            raise ConfigError(f"text file {path} is not readable; fix its permissions or drop it from data.path")
+            raise ConfigError(f"text file {path} is not readable; fix its permissions or drop it from {flag}")
         if os.path.getsize(path) == 0:
-            raise ConfigError(f"text file {path} is empty; remove it or fix data.path")
+            raise ConfigError(f"text file {path} is empty; remove it or fix {flag}")
     return paths
 
 
-def read_documents(paths: list[str]) -> Iterator[str]:
+def read_documents(paths: list[str], flag: str = "data.path") -> Iterator[str]:
     """`.jsonl` files: one document per line (its "text" field); other files: one document each."""
     for path in paths:
         try:
@@ -57,13 +60,26 @@ def read_documents(paths: list[str]) -> Iterator[str]:
                     for number, line in enumerate(f, start=1):
                         if line.strip():
                             try:
-                                yield json.loads(line)["text"]
+                                text = json.loads(line)["text"]
                             except (json.JSONDecodeError, KeyError, TypeError):
-                                raise ConfigError(f"{path}:{number} is not a JSON object with a 'text' field") from None
+                                text = None
+                            if not isinstance(text, str):
+                                raise ConfigError(
+                                    f"{path}:{number} is not a JSON object with a 'text' string; write one "
+                                    '{"text": "..."} object per line, or drop the file from ' + flag
+                                )
+                            yield text
                 else:
                     yield f.read()
         except UnicodeDecodeError as err:
-            raise ConfigError(f"text file {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+            raise ConfigError(
+                f"text file {path} is not UTF-8 text ({err.reason} at byte {err.start}); convert it to UTF-8 "
+                f"or drop it from {flag}"
+            ) from None
+        except OSError as err:
+            raise ConfigError(
+                f"text file {path} cannot be read ({err.strerror or err}); fix it or drop it from {flag}"
+            ) from None
 
 
 def is_validation(text: str, fraction: float) -> bool:
@@ -127,8 +143,13 @@ def _prepare_into(
     if stats["tokens"].get("train", 0) < seq_len + 1:
         raise ConfigError(
             f"the training data has {stats['tokens'].get('train', 0)} tokens, fewer than one sequence of "
-            f"seq_len+1 = {seq_len + 1}; use more text or a shorter data.seq_len"
+            f"seq_len+1 = {seq_len + 1}; use more text or a shorter sequence length (data.seq_len, fbt-prepare --seq-len)"
         )
+    files = {}
+    for split in documents:
+        name = f"{split}.array_record"
+        path = os.path.join(tmp_dir, name)
+        files[name] = {"bytes": os.path.getsize(path), "blake2b": file_digest(path)}
     meta = {
         "format_version": FORMAT_VERSION,
         "tokenizer": tokenizer.name,
@@ -136,6 +157,7 @@ def _prepare_into(
         "seq_len": seq_len,
         "source": source,
         **stats,
+        "files": files,  # size and checksum of each records file, checked when it is opened
     }
     with open(os.path.join(tmp_dir, "meta.json"), "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2)
@@ -148,14 +170,31 @@ def _prepare_into(
     return meta
 
 
+def file_digest(path: str) -> str:
+    """blake2b of a file's bytes (about 1 GB/s)."""
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def read_meta(directory: str) -> dict[str, Any]:
     path = os.path.join(directory, "meta.json")
     if not os.path.isfile(path):
         raise ConfigError(
             f"{directory} holds no prepared data (no meta.json); run fbt-prepare or point data.path at text files"
         )
-    with open(path, encoding="utf-8") as f:
-        meta = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+        if not isinstance(meta, dict) or not all(isinstance(meta.get(k), int) for k in ("vocab_size", "seq_len")):
+            raise ValueError("vocab_size or seq_len missing")
+    except (OSError, ValueError) as err:  # ValueError covers JSON and UTF-8 decoding errors
+        raise ConfigError(
+            f"{path} cannot be read ({type(err).__name__}: {' '.join(str(err).split())[:200]}); "
+            "prepare the data again with fbt-prepare"
+        ) from None
     if meta.get("format_version") != FORMAT_VERSION:
         raise ConfigError(
             f"{directory} was prepared in format {meta.get('format_version')}, expected {FORMAT_VERSION}; prepare it again"
@@ -168,15 +207,17 @@ class PackedRecords:
 
     packed = True
 
-    def __init__(self, directory: str, split: str):
+    def __init__(self, directory: str, split: str, verify: bool = True):
         from grain.sources import ArrayRecordDataSource
 
         self.directory, self.split = directory, split
         self.meta = read_meta(directory)
         self.seq_len = self.meta["seq_len"]
         self.vocab_size = self.meta["vocab_size"]
-        path = os.path.join(directory, f"{split}.array_record")
+        self.path = path = os.path.join(directory, f"{split}.array_record")
         expected = self.meta.get("records", {}).get(split)
+        if verify:
+            check_file(path, self.meta.get("files", {}).get(f"{split}.array_record"))
         try:
             self._records = ArrayRecordDataSource(path)
             count = len(self._records)
@@ -199,16 +240,32 @@ class PackedRecords:
     def __len__(self) -> int:
         return len(self._records)
 
+    def _read(self, indices: list[int]) -> list[bytes]:
+        """The raw records at `indices`; damage found while reading (in a file too large to be
+        checked whole when opened) is one line, not the reader's traceback."""
+        try:
+            raw = self._records.__getitems__(indices)
+            size = 2 * (self.seq_len + 1) * 4
+            bad = next((i for i, r in zip(indices, raw) if len(r) != size), None)
+            if bad is not None:
+                raise ValueError(f"record {bad} has {len(raw[indices.index(bad)])} bytes, not {size}")
+        except Exception as err:
+            raise ConfigError(
+                f"the prepared records {self.path} are damaged ({type(err).__name__}: "
+                f"{' '.join(str(err).split())[:200]}); prepare the data again with fbt-prepare"
+            ) from None
+        return raw
+
     def _record(self, index: int) -> np.ndarray:
         """(2, seq_len + 1): token ids and segment ids."""
-        return np.frombuffer(self._records[int(index)], np.int32).reshape(2, self.seq_len + 1)
+        return np.frombuffer(self._read([int(index)])[0], np.int32).reshape(2, self.seq_len + 1)
 
     def example(self, index: int) -> dict[str, np.ndarray]:
         return record_to_example(self._record(index))
 
     def examples(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         """A batch of examples, each key (len(indices), T), read in one batched lookup."""
-        raw = self._records.__getitems__([int(i) for i in indices])
+        raw = self._read([int(i) for i in indices])
         stacked = np.frombuffer(b"".join(raw), np.int32).reshape(len(raw), 2, self.seq_len + 1)
         return records_to_examples(stacked)
 
@@ -216,7 +273,46 @@ class PackedRecords:
         return {"directory": self.directory, "split": self.split}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["directory"], state["split"])
+        # A data-loader worker: the file was checked when the parent opened it.
+        self.__init__(state["directory"], state["split"], verify=False)
+
+
+# Records files up to this size are checked whole against the checksum fbt-prepare recorded each
+# time they are opened (about 0.5 s per GiB); larger ones by size only, and damage found while
+# reading them is reported then.
+VERIFY_MAX_BYTES = 1 << 30
+
+
+def check_file(path: str, recorded: dict[str, Any] | None) -> None:
+    """ConfigError if a records file differs from what fbt-prepare wrote (size, then checksum).
+
+    Data prepared before checksums were recorded (no entry in meta.json) is not checked here.
+    """
+    if not recorded:
+        return
+    try:
+        size = os.path.getsize(path)
+    except OSError as err:
+        raise ConfigError(
+            f"the prepared records {path} cannot be read ({err.strerror or err}); prepare the data again with fbt-prepare"
+        ) from None
+    if size != recorded.get("bytes", size):
+        raise ConfigError(
+            f"the prepared records {path} hold {size} bytes, but fbt-prepare wrote {recorded['bytes']}; the file is "
+            "truncated or replaced: prepare the data again with fbt-prepare"
+        )
+    if "blake2b" in recorded and size <= VERIFY_MAX_BYTES:
+        try:
+            digest = file_digest(path)
+        except OSError as err:
+            raise ConfigError(
+                f"the prepared records {path} cannot be read ({err.strerror or err}); prepare the data again with fbt-prepare"
+            ) from None
+        if digest != recorded["blake2b"]:
+            raise ConfigError(
+                f"the prepared records {path} are damaged (their checksum differs from the one fbt-prepare recorded); "
+                "prepare the data again with fbt-prepare"
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -255,9 +351,11 @@ def main(argv: list[str] | None = None) -> None:
         if bool(args.input) == bool(args.tfds_name):
             raise ConfigError("give exactly one of --input (text files) or --tfds-name (a TFDS dataset)")
         tokenizer = args.tokenizer if args.tokenizer == "byte" else paths.resolve(args.tokenizer, "--tokenizer")
-        load_tokenizer(tokenizer)  # a bad tokenizer fails here, before reading any data
+        load_tokenizer(tokenizer, "--tokenizer")  # a bad tokenizer fails here, before reading any data
         if args.input:
-            documents, source = text_split_documents(paths.resolve(args.input, "--input"), args.validation_fraction)
+            documents, source = text_split_documents(
+                paths.resolve(args.input, "--input"), args.validation_fraction, "--input", "--validation-fraction"
+            )
         else:
             if args.tfds_splits.count(",") != 1:
                 raise ConfigError(f"--tfds-splits={args.tfds_splits!r} must name two splits: train,validation")
@@ -330,13 +428,22 @@ def download_dir(url: str, cache_dir: str) -> str:
     return local
 
 
-def text_split_documents(pattern: str, validation_fraction: float) -> tuple[dict[str, Iterable[str]], dict]:
+def text_split_documents(
+    pattern: str,
+    validation_fraction: float,
+    flag: str = "data.path",
+    fraction_flag: str = "data.validation_fraction",
+) -> tuple[dict[str, Iterable[str]], dict]:
+    """The train and validation documents of text files; `flag` and `fraction_flag` name where the
+    glob and the fraction came from, in errors."""
     if not 0.0 <= validation_fraction < 1.0:
-        raise ConfigError(f"validation fraction {validation_fraction} must be in [0, 1)")
-    paths = text_files(pattern)
+        raise ConfigError(
+            f"{fraction_flag}={validation_fraction} must be in [0, 1); give the share of documents to hold out, e.g. 0.01"
+        )
+    paths = text_files(pattern, flag)
     documents = {
-        "train": (d for d in read_documents(paths) if not is_validation(d, validation_fraction)),
-        "validation": (d for d in read_documents(paths) if is_validation(d, validation_fraction)),
+        "train": (d for d in read_documents(paths, flag) if not is_validation(d, validation_fraction)),
+        "validation": (d for d in read_documents(paths, flag) if is_validation(d, validation_fraction)),
     }
     fingerprint = [(p, os.path.getsize(p), int(os.path.getmtime(p))) for p in paths]
     return documents, {"kind": "text", "files": fingerprint, "validation_fraction": validation_fraction}

@@ -43,17 +43,22 @@ class SentencePieceTokenizer:
         return self._sp.decode([int(i) for i in ids if i != self.eos_id])
 
 
-def load_tokenizer(spec: str) -> ByteTokenizer | SentencePieceTokenizer:
-    """`"byte"`, or the path of a SentencePiece `.model` file."""
+def load_tokenizer(spec: str, flag: str = "data.tokenizer") -> ByteTokenizer | SentencePieceTokenizer:
+    """`"byte"`, or the path of a SentencePiece `.model` file; `flag` names the setting in errors."""
     if spec == "byte":
         return ByteTokenizer()
     if not os.path.isfile(spec):
-        raise ConfigError(f"data.tokenizer={spec!r} is neither 'byte' nor an existing SentencePiece model file")
+        raise ConfigError(
+            f"{flag}={spec!r} is neither 'byte' nor an existing SentencePiece model file; give 'byte' or the path of a .model file"
+        )
     try:
         return SentencePieceTokenizer(spec)
     except ImportError:
         raise ConfigError(
-            "data.tokenizer names a SentencePiece model but sentencepiece is not installed; pip install sentencepiece"
+            f"{flag} names a SentencePiece model but sentencepiece is not installed; pip install sentencepiece"
         ) from None
     except (OSError, RuntimeError) as err:
-        raise ConfigError(f"data.tokenizer={spec!r} is not a readable SentencePiece model ({err})") from None
+        raise ConfigError(
+            f"{flag}={spec!r} is not a readable SentencePiece model ({' '.join(str(err).split())}); "
+            "give 'byte' or the path of a .model file"
+        ) from None
