@@ -27,7 +27,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mode", default="soft", help="standard | soft | fused")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     parser.add_argument("--prompts-file", help="a file with one prompt per line")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=None, help="tokens to generate (default: up to the context length)"
+    )
     parser.add_argument(
         "--context-len", type=int, default=0, help="longest prompt + new tokens (default: the run's data.seq_len)"
     )
@@ -53,6 +55,13 @@ def main(argv: list[str] | None = None) -> None:
         encoded = [encode(p) for p in prompts]
         lengths = np.array([len(e) for e in encoded])
         context = args.context_len or config.data.seq_len
+        if args.max_new_tokens is None:  # fill the context the run trained on
+            args.max_new_tokens = int(context - lengths.max())
+            if args.max_new_tokens is not None and args.max_new_tokens < 1:
+                raise ConfigError(
+                    f"a prompt of {lengths.max()} tokens fills the context of {context} tokens; shorten the prompt "
+                    "or raise --context-len"
+                )
         if lengths.max() + args.max_new_tokens > context:
             raise ConfigError(
                 f"a prompt of {lengths.max()} tokens + --max-new-tokens={args.max_new_tokens} exceeds the context of "
@@ -112,7 +121,7 @@ def check_args(args: argparse.Namespace) -> str:
     """One-line errors for bad flags, before a checkpoint is read; returns the resolved --output."""
     if args.mode not in decode.MODES:
         raise ConfigError(f"--mode={args.mode!r} is unknown; use one of {decode.MODES}")
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens} must be at least 1")
     if args.context_len < 0:
         raise ConfigError(f"--context-len={args.context_len} is negative; use 0 for the run's data.seq_len")
