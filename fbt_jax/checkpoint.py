@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from fbt_jax import paths
-from fbt_jax.errors import CheckpointError, ConfigError
+from fbt_jax.errors import CheckpointError, ConfigError, describe
 
 # Fields of `model` that change the parameters' structure or meaning; the rest (remat) may differ.
 RUNTIME_ONLY_MODEL_FIELDS = ("remat",)
@@ -60,7 +60,7 @@ class Checkpointer:
             self.manager = ocp.CheckpointManager(self.directory, options=options)
         except (OSError, ValueError) as err:  # e.g. the path is a file, or not writable
             raise ConfigError(
-                f"checkpoint directory {directory} cannot be used ({_one_line(err)}); "
+                f"checkpoint directory {directory} cannot be used ({describe(err)}); "
                 "choose a writable directory with --config.checkpoint.dir or --config.workdir"
             ) from None
         self.last_saved: int | None = None  # a step is saved once, even if asked again (preemption)
@@ -119,7 +119,7 @@ class Checkpointer:
             f"the newest complete checkpoint, step {valid[-1]}, is intact" if valid else "no earlier checkpoint exists"
         )
         return CheckpointError(
-            f"saving checkpoint {step} to {self.directory} failed ({_one_line(err)}); {kept}. "
+            f"saving checkpoint {step} to {self.directory} failed ({describe(err)}); {kept}. "
             "Free space or fix permissions, then run the same command again to resume (details in fbt-train.log)"
         )
 
@@ -127,7 +127,7 @@ class Checkpointer:
         try:
             self.manager.close()
         except Exception as err:
-            self.log(f"warning: closing the checkpoint manager failed ({_one_line(err)})")
+            self.log(f"warning: closing the checkpoint manager failed ({describe(err)})")
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -158,7 +158,7 @@ class Checkpointer:
             newest, err = failures[0]
             raise CheckpointError(
                 f"none of the {len(failures)} checkpoint(s) in {self.directory} restores (newest, step {newest}: "
-                f"{_one_line(err)}); nothing was changed. Fix the cause and run again, or start from scratch with "
+                f"{describe(err)}); nothing was changed. Fix the cause and run again, or start from scratch with "
                 "--config.checkpoint.restart_from_scratch=True (the checkpoints are kept aside)"
             )
         return None
@@ -187,7 +187,7 @@ class Checkpointer:
             (self.directory / str(step)).rename(aside)
         _sync(f"fbt-checkpoint-set-aside-{step}")  # every process sees the same steps
         self.log(
-            f"warning: checkpoint {self.directory}/{step} is damaged ({_one_line(err)}; step {restored_step} "
+            f"warning: checkpoint {self.directory}/{step} is damaged ({describe(err)}; step {restored_step} "
             f"restores with the same code); moved it to {aside}"
         )
         self.manager.reload()
@@ -205,11 +205,6 @@ def _sync(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
-
-
-def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split())
-    return f"{type(err).__name__}: {text[:240]}" if text else type(err).__name__
 
 
 def check_compatible(
@@ -300,7 +295,7 @@ def _newest_that_restores(path: str, flag: str, restore: Any, log: Any, done: st
         manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False, read_only=True))
     except Exception as err:
         raise ConfigError(
-            f"{flag}={path!r} cannot be read ({_one_line(err)}); check the path and its permissions"
+            f"{flag}={path!r} cannot be read ({describe(err)}); check the path and its permissions"
         ) from None
     failures: list[tuple[int, Exception]] = []
     try:
@@ -313,7 +308,7 @@ def _newest_that_restores(path: str, flag: str, restore: Any, log: Any, done: st
                 failures.append((step, err))
                 continue
             for failed, err in failures:
-                log(f"warning: skipped checkpoint {directory}/{failed}, which does not restore ({_one_line(err)})")
+                log(f"warning: skipped checkpoint {directory}/{failed}, which does not restore ({describe(err)})")
             log(f"{done} {directory}/{step}")
             return result
     finally:
@@ -322,7 +317,7 @@ def _newest_that_restores(path: str, flag: str, restore: Any, log: Any, done: st
         step, err = failures[0]
         raise CheckpointError(
             f"{flag}={path!r}: none of its {len(failures)} checkpoint(s) restores (newest, step {step}: "
-            f"{_one_line(err)}); nothing was changed. Check that it is a complete run of this fbt-jax version, "
+            f"{describe(err)}); nothing was changed. Check that it is a complete run of this fbt-jax version, "
             f"or point {flag} at another run"
         )
     raise ConfigError(f"{flag}={path!r} holds no checkpoint; train with --config.checkpoint.every_steps > 0 first")
@@ -336,7 +331,7 @@ def _run_checkpoints(path: str, flag: str) -> epath.Path:
         exists = directory.is_dir()
     except Exception as err:
         raise ConfigError(
-            f"{flag}={path!r} cannot be read ({_one_line(err)}); check the path and its permissions"
+            f"{flag}={path!r} cannot be read ({describe(err)}); check the path and its permissions"
         ) from None
     if not exists:
         raise ConfigError(f"{flag}={path!r} is not a directory; give a run's workdir or its checkpoints directory")

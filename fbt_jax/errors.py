@@ -32,6 +32,12 @@ class Preempted(RuntimeError):
     """The run stopped early on SIGTERM / SIGINT / a preemption notice, after saving a checkpoint."""
 
 
+def describe(err: BaseException, limit: int = 240) -> str:
+    """An exception as one line for a message: its type and its text, whitespace collapsed."""
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text[:limit]}" if text else type(err).__name__
+
+
 # (exception type, exit code, message prefix); the first matching row wins.
 EXIT_CODES: tuple[tuple[type[BaseException], int, str], ...] = (
     (WorkdirBusy, 6, ""),

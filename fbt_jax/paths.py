@@ -15,7 +15,7 @@ import re
 import socket
 from typing import Any
 
-from fbt_jax.errors import ConfigError
+from fbt_jax.errors import ConfigError, describe
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*):/")
 # Schemes the storage layers (etils.epath / fsspec, orbax's tensorstore) can write to.
@@ -75,17 +75,13 @@ def check_reachable(url: str, flag: str) -> None:
         exists = epath.Path(f"gs://{bucket}").exists()
     except Exception as err:  # the client raises many types; every one is reported, as one line
         raise ConfigError(
-            f"{flag}={url!r}: bucket gs://{bucket} cannot be read ({type(err).__name__}: {_one_line(err)}); "
+            f"{flag}={url!r}: bucket gs://{bucket} cannot be read ({describe(err)}); "
             "check its name and your credentials (gcloud auth application-default login)"
         ) from None
     finally:
         quiet.setLevel(level)
     if not exists:
         raise ConfigError(f"{flag}={url!r}: bucket gs://{bucket} does not exist; create it or fix the name")
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split())[:200]
 
 
 # Config fields that hold paths, with whether a URL is allowed there.

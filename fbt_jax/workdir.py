@@ -139,7 +139,7 @@ class RunDirectory:
                 source = os.path.join(root, name)
                 target = remote / os.path.relpath(source, self.local)
                 target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(open(source, "rb").read())
+                target.write_bytes(epath.Path(source).read_bytes())
 
     def _download_logs(self) -> None:
         from etils import epath

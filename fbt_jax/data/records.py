@@ -29,7 +29,7 @@ import numpy as np
 from fbt_jax import paths
 from fbt_jax.data.packing import pack_documents, record_to_example, records_to_examples
 from fbt_jax.data.tokenizers import load_tokenizer
-from fbt_jax.errors import ConfigError, reported
+from fbt_jax.errors import ConfigError, describe, reported
 
 FORMAT_VERSION = 1
 SPLIT_NAMES = ("train", "validation")
@@ -191,10 +191,7 @@ def read_meta(directory: str) -> dict[str, Any]:
         if not isinstance(meta, dict) or not all(isinstance(meta.get(k), int) for k in ("vocab_size", "seq_len")):
             raise ValueError("vocab_size or seq_len missing")
     except (OSError, ValueError) as err:  # ValueError covers JSON and UTF-8 decoding errors
-        raise ConfigError(
-            f"{path} cannot be read ({type(err).__name__}: {' '.join(str(err).split())[:200]}); "
-            "prepare the data again with fbt-prepare"
-        ) from None
+        raise ConfigError(f"{path} cannot be read ({describe(err)}); prepare the data again with fbt-prepare") from None
     if meta.get("format_version") != FORMAT_VERSION:
         raise ConfigError(
             f"{directory} was prepared in format {meta.get('format_version')}, expected {FORMAT_VERSION}; prepare it again"
@@ -228,8 +225,7 @@ class PackedRecords:
                     raise ValueError(f"record {index} has {len(self._records[index])} bytes")
         except Exception as err:  # the reader raises assorted types for unreadable or corrupt files
             raise ConfigError(
-                f"the prepared records {path} cannot be read ({type(err).__name__}: {' '.join(str(err).split())[:200]}); "
-                "prepare the data again with fbt-prepare"
+                f"the prepared records {path} cannot be read ({describe(err)}); prepare the data again with fbt-prepare"
             ) from None
         if expected is not None and count != expected:
             raise ConfigError(
@@ -251,8 +247,7 @@ class PackedRecords:
                 raise ValueError(f"record {bad} has {len(raw[indices.index(bad)])} bytes, not {size}")
         except Exception as err:
             raise ConfigError(
-                f"the prepared records {self.path} are damaged ({type(err).__name__}: "
-                f"{' '.join(str(err).split())[:200]}); prepare the data again with fbt-prepare"
+                f"the prepared records {self.path} are damaged ({describe(err)}); prepare the data again with fbt-prepare"
             ) from None
         return raw
 
@@ -400,9 +395,7 @@ def read_remote_meta(url: str) -> dict[str, Any]:
             f"{url} holds no prepared data (no meta.json); run fbt-prepare --output={url} first"
         ) from None
     except Exception as err:
-        raise ConfigError(
-            f"{url}/meta.json cannot be read ({type(err).__name__}: {' '.join(str(err).split())[:200]})"
-        ) from None
+        raise ConfigError(f"{url}/meta.json cannot be read ({describe(err)})") from None
 
 
 def download_dir(url: str, cache_dir: str) -> str:
@@ -463,9 +456,7 @@ def tfds_split_documents(
             s: builder.as_data_source(split=sp) for s, sp in (("train", train_split), ("validation", validation_split))
         }
     except Exception as err:  # tfds raises many types for "not found"; report them as one line
-        raise ConfigError(
-            f"TFDS dataset {name!r} is not prepared in {data_dir} ({type(err).__name__}: {' '.join(str(err).split())[:300]})"
-        ) from None
+        raise ConfigError(f"TFDS dataset {name!r} is not prepared in {data_dir} ({describe(err, 300)})") from None
     if text_key not in info.features:
         raise ConfigError(f"TFDS dataset {name!r} has no feature {text_key!r}; its features are {list(info.features)}")
 
