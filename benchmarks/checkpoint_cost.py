@@ -35,7 +35,7 @@ from tiny import get_config as tiny_config  # noqa: E402
 
 from fbt_jax.checkpoint import Checkpointer  # noqa: E402
 from fbt_jax.sharding import per_device_bytes  # noqa: E402
-from fbt_jax.train import Trainer  # noqa: E402
+from fbt_jax.train.trainer import Trainer  # noqa: E402
 
 # Full run: the step-overhead model's width, its batch sizes, the save/restore widths, the sequence length.
 FULL = {"width": 256, "batch_sizes": (8, 32), "widths": (128, 256, 512), "seq_len": 128}
@@ -70,7 +70,7 @@ def step_overhead(
     trainer = trainer_for(config)
     checkpointer = Checkpointer(os.path.join(config.workdir, "checkpoints"), config.checkpoint)
     batch = trainer.batch("train", 0, config.train.batch_size)
-    program = trainer.train_programs[1]
+    program = trainer.programs.train[1]
     step = 0
 
     def run(save: bool) -> float:
@@ -105,13 +105,13 @@ def save_restore_times(tmp: str, width: int, repeats: int = 3, seq_len: int = 12
         checkpointer.save(i + 1, trainer.state, config, force=True)
         checkpointer.wait()
         saves.append(time.perf_counter() - start)
-        abstract = trainer.sharded_abstract_state()
+        abstract = trainer.programs.sharded_abstract_state()
         start = time.perf_counter()
         restored = checkpointer.restore_latest(abstract, config)
         jax.block_until_ready(restored.state)
         restores.append(time.perf_counter() - start)
     checkpointer.close()
-    size = per_device_bytes(trainer.abstract_state, trainer.state_shardings)
+    size = per_device_bytes(trainer.programs.abstract_state, trainer.programs.state_shardings)
     return {
         "megabytes": size / 1e6,
         "save_seconds": statistics.median(saves),

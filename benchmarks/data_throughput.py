@@ -56,7 +56,7 @@ def pipeline_tokens_per_second(batches, num_batches: int, num_workers: int, warm
 def model_tokens_per_second(config, rounds: int = 15) -> float:
     import jax
 
-    from fbt_jax.train import Trainer
+    from fbt_jax.train.trainer import Trainer
 
     config.passes.schedule = "0:1"
     config.eval.num_batches = 0
@@ -64,7 +64,7 @@ def model_tokens_per_second(config, rounds: int = 15) -> float:
     trainer.compile()
     trainer.init_state()
     batch = trainer.batch("train", 0, config.train.batch_size)
-    program = trainer.train_programs[1]
+    program = trainer.programs.train[1]
     for _ in range(3):
         trainer.state, metrics = program(trainer.state, batch)
     jax.block_until_ready(metrics)

@@ -36,7 +36,7 @@ import docs_block  # noqa: E402
 from fbt_1b import get_config as fbt_1b_config  # noqa: E402
 from tiny import get_config as tiny_config  # noqa: E402
 
-from fbt_jax.train import Trainer  # noqa: E402
+from fbt_jax.train.trainer import Trainer  # noqa: E402
 
 # layout name → (data, fsdp, tensor) mesh over all 8 devices, or None for one device
 MESHES = {"1 device": None, "8x1x1": (8, 1, 1), "2x2x2": (2, 2, 2), "1x4x2": (1, 4, 2)}
@@ -78,14 +78,14 @@ def step_times(rounds: int, steps_per_round: int, meshes: dict = MESHES, smoke: 
         batch = trainer.batch("train", 0, config.train.batch_size)
         programs[name] = [trainer, batch]
         for _ in range(2):  # warm up
-            trainer.state, metrics = trainer.train_programs[1](trainer.state, batch)
+            trainer.state, metrics = trainer.programs.train[1](trainer.state, batch)
         jax.block_until_ready(metrics)
     samples: dict[str, list[float]] = {name: [] for name in meshes}
     for _ in range(rounds):
         for name, (trainer, batch) in programs.items():
             start = time.perf_counter()
             for _ in range(steps_per_round):
-                trainer.state, metrics = trainer.train_programs[1](trainer.state, batch)
+                trainer.state, metrics = trainer.programs.train[1](trainer.state, batch)
             jax.block_until_ready((trainer.state, metrics))
             samples[name].append((time.perf_counter() - start) / steps_per_round)
     return {name: statistics.median(v) for name, v in samples.items()}

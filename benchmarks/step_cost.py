@@ -32,7 +32,7 @@ from tiny import get_config as tiny_config  # noqa: E402
 
 from fbt_jax.flops import train_step_flops  # noqa: E402
 from fbt_jax.model import ModelConfig  # noqa: E402
-from fbt_jax.train import Trainer  # noqa: E402
+from fbt_jax.train.trainer import Trainer  # noqa: E402
 
 PASS_COUNTS = (1, 2, 3)
 
@@ -77,12 +77,12 @@ def time_steps(config, rounds: int, steps_per_round: int) -> dict[int, float]:
     state = trainer.state
     for k in PASS_COUNTS:  # warm up each program
         for _ in range(2):
-            state, metrics = trainer.train_programs[k](state, batch)
+            state, metrics = trainer.programs.train[k](state, batch)
         jax.block_until_ready(metrics)
     samples: dict[int, list[float]] = {k: [] for k in PASS_COUNTS}
     for _ in range(rounds):
         for k in PASS_COUNTS:
-            program = trainer.train_programs[k]
+            program = trainer.programs.train[k]
             start = time.perf_counter()
             for _ in range(steps_per_round):
                 state, metrics = program(state, batch)

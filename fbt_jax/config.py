@@ -7,6 +7,7 @@ raises `ConfigError` with one line naming the field and the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -15,8 +16,8 @@ import ml_collections
 from fbt_jax import paths
 from fbt_jax.data.pipeline import validate_data
 from fbt_jax.errors import ConfigError
-from fbt_jax.feedback import FUSIONS
-from fbt_jax.model import REMAT_POLICIES
+from fbt_jax.layers import FUSIONS
+from fbt_jax.model import REMAT_POLICIES, ModelConfig
 from fbt_jax.schedule import DEFAULT_SCHEDULE, PassSchedule
 from fbt_jax.sharding import BATCH_AXIS, DEFAULT_RULES, MESH_AXES, mesh_shape, parse_rules
 
@@ -54,21 +55,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.data.num_workers = 0  # >0: worker processes build batches ahead of the step
     c.data.prefetch = 2
 
-    c.model = ml_collections.ConfigDict()
-    c.model.vocab_size = 120
-    c.model.embed_dim = 64
-    c.model.num_layers = 2
-    c.model.num_heads = 4
-    c.model.num_kv_heads = 4
-    c.model.mlp_dim = 256
-    c.model.rope_theta = 10_000.0
-    c.model.norm_eps = 1e-6
-    c.model.fusion = "glu"
-    c.model.param_dtype = "float32"
-    c.model.compute_dtype = "float32"
-    c.model.scale_logits = True
-    c.model.remat = "none"
-    c.model.scan_layers = False
+    # The model's fields and defaults are defined once, by ModelConfig (fbt_jax/model.py).
+    c.model = ml_collections.ConfigDict(dataclasses.asdict(ModelConfig()))
 
     c.passes = ml_collections.ConfigDict()
     c.passes.schedule = DEFAULT_SCHEDULE

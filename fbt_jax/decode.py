@@ -21,15 +21,15 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from fbt_jax.errors import ConfigError
-from fbt_jax.feedback import default_positions, feedback_inputs
+from fbt_jax.feedback import last_pass_inputs
+from fbt_jax.layers import KVCache, default_positions
 
 MODES = ("standard", "soft", "fused")
 
 
 @struct.dataclass
 class DecodeState:
-    k_LBSKH: jax.Array  # key cache, layers stacked
-    v_LBSKH: jax.Array  # value cache
+    cache_L: KVCache  # (k_LBSGH, v_LBSGH): keys and values, layers stacked
     lengths_B: jax.Array  # tokens in the cache per row = position of the next token
     h_last_BD: jax.Array  # top state of each row's last position (fed back in soft/fused modes)
     logits_BV: jax.Array  # logits at each row's last position (predicting its next token)
@@ -65,27 +65,23 @@ def prefill(
     cfg = model.cfg
     B, P = prompts_BP.shape
     shape = (cfg.num_layers, B, cache_len, cfg.num_kv_heads, cfg.head_dim)
-    k_LBSKH = jnp.zeros(shape, model.compute_dtype)
-    v_LBSKH = jnp.zeros(shape, model.compute_dtype)
-    e_BPD = model.embed(prompts_BP)
-    u_BPD = e_BPD
-    if mode == "fused":
-        positions_BP = default_positions((B, P))
-        fully_fused_B = jnp.ones((B,), jnp.int32)
-        for _ in range(prefill_passes - 1):
-            h_BPD = model.stack(u_BPD, positions_BP)
-            u_BPD = feedback_inputs(model, e_BPD, h_BPD, fully_fused_B, positions_BP)
-    h_BPD, k_LBSKH, v_LBSKH = model.stack_cached(u_BPD, k_LBSKH, v_LBSKH, jnp.zeros((B,), jnp.int32))
+    cache_L = (jnp.zeros(shape, model.compute_dtype), jnp.zeros(shape, model.compute_dtype))
+    # Fused mode: the prompt's inputs come from prefill_passes − 1 feedback passes, fully fused
+    # from position 1; the last pass runs through the cache.
+    num_passes = prefill_passes if mode == "fused" else 1
+    fully_fused_B = jnp.ones((B,), jnp.int32)
+    _, u_BPD = last_pass_inputs(model, model.embed(prompts_BP), fully_fused_B, num_passes, default_positions((B, P)))
+    h_BPD, cache_L = model.stack_cached(u_BPD, cache_L, jnp.zeros((B,), jnp.int32))
     h_last_BD = jnp.take_along_axis(h_BPD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-    return DecodeState(k_LBSKH, v_LBSKH, lengths_B.astype(jnp.int32), h_last_BD, model.logits(h_last_BD[:, None])[:, 0])
+    return DecodeState(cache_L, lengths_B.astype(jnp.int32), h_last_BD, model.logits(h_last_BD[:, None])[:, 0])
 
 
 def step(model: Any, state: DecodeState, tokens_B: jax.Array, mode: str) -> DecodeState:
     """Append one token per row and run it through the model (one new position per row)."""
     e_B1D = model.embed(tokens_B[:, None])
     u_B1D = e_B1D if mode == "standard" else model.fusion(e_B1D, state.h_last_BD[:, None])
-    h_B1D, k_LBSKH, v_LBSKH = model.stack_cached(u_B1D, state.k_LBSKH, state.v_LBSKH, state.lengths_B)
-    return DecodeState(k_LBSKH, v_LBSKH, state.lengths_B + 1, h_B1D[:, 0], model.logits(h_B1D)[:, 0])
+    h_B1D, cache_L = model.stack_cached(u_B1D, state.cache_L, state.lengths_B)
+    return DecodeState(cache_L, state.lengths_B + 1, h_B1D[:, 0], model.logits(h_B1D)[:, 0])
 
 
 def sample(

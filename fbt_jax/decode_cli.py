@@ -18,11 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from fbt_jax import decode, paths
-from fbt_jax.errors import ConfigError, divert_library_noise, reported
+from fbt_jax.errors import ArgumentParser, ConfigError, divert_library_noise, reported
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="fbt-decode", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="fbt-decode", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="a run's workdir or checkpoint directory")
     parser.add_argument("--mode", default="soft", help="standard | soft | fused")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
@@ -40,11 +40,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop", type=int, action="append", default=[], help="stop token id (repeatable)")
     parser.add_argument("--output", help="write JSON lines here instead of printing")
-    args = parser.parse_args(argv)
     with reported("fbt-decode"):
+        args = parser.parse_args(argv)
         output = check_args(args)
         prompts = read_prompts(args)
-        from fbt_jax.checkpoint import load_model
+        from fbt_jax.trained import load_model
 
         # Reading damaged checkpoints makes the storage libraries print tracebacks from their
         # threads ("Event loop is closed"); the failure is reported as one line instead.

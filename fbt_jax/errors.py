@@ -1,11 +1,14 @@
-"""The errors a command reports as one line (no traceback), and their exit codes.
+"""The commands' one CLI layer: the errors a command reports as one line (no traceback), their
+exit codes, and the one function that maps one to the other.
 
-Every `fbt-*` command runs its work inside `reported(prog)`, so the same kind of failure gives the
-same exit code and the same shape of message everywhere (table in docs/checkpointing.md).
+Every `fbt-*` command parses its arguments and runs its work inside `reported(prog)` (argument
+errors too, through `ArgumentParser`), so the same kind of failure gives the same exit code and
+the same shape of message everywhere (table in docs/checkpointing.md).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import sys
 from collections.abc import Iterator
@@ -18,6 +21,10 @@ class ConfigError(ValueError):
 class CheckpointError(RuntimeError):
     """Checkpoints cannot be saved or restored for a reason that is not damage to them (a full
     disk, a permission, a bug): the run stops and every checkpoint is left as it is."""
+
+
+class UsageError(ConfigError):
+    """A command line that does not parse (unknown flag, missing argument, a value of the wrong type)."""
 
 
 class WorkdirBusy(ConfigError):
@@ -41,6 +48,7 @@ def describe(err: BaseException, limit: int = 240) -> str:
 # (exception type, exit code, message prefix); the first matching row wins.
 EXIT_CODES: tuple[tuple[type[BaseException], int, str], ...] = (
     (WorkdirBusy, 6, ""),
+    (UsageError, 2, ""),
     (ConfigError, 2, "config error: "),
     (FloatingPointError, 3, "training diverged: "),
     (ProcessMismatchError, 4, "processes disagree: "),
@@ -63,6 +71,14 @@ def reported(prog: str) -> Iterator[None]:
                 print(f"{prog}: {prefix}{text}", file=sys.stderr)
                 sys.exit(code)
         raise
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with its usage errors raised as `UsageError`, so that `reported` prints them as
+    one line (argparse's own prints the usage block first) with the same exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"error: {message} (see {self.prog} --help)")
 
 
 def divert_library_noise(log_path: str) -> None:

@@ -21,8 +21,10 @@ import numpy as np
 import optax
 
 from fbt_jax import decode, paths
-from fbt_jax.errors import ConfigError, divert_library_noise, reported
-from fbt_jax.feedback import default_positions, feedback_inputs, token_nll
+from fbt_jax.errors import ArgumentParser, ConfigError, divert_library_noise, reported
+from fbt_jax.feedback import feedback_pass, last_pass_inputs
+from fbt_jax.layers import attention_mask, default_positions
+from fbt_jax.losses import mean_loss, readout_nll, token_nll_BT
 
 
 def depth_sweep(model: Any, batch: dict[str, np.ndarray], max_depth: int, fuse_from: int = 1) -> dict[str, np.ndarray]:
@@ -39,16 +41,15 @@ def depth_sweep(model: Any, batch: dict[str, np.ndarray], max_depth: int, fuse_f
     def run() -> tuple[jax.Array, jax.Array]:
         e = model.embed(tokens)
         h0 = model.stack(e, positions, segments)
-        nll, weight = token_nll(model.logits(h0), targets, weights)
 
         def body(k: jax.Array, carry: tuple) -> tuple:
             h, losses, changes = carry
-            h_next = model.stack(feedback_inputs(model, e, h, fuse_from_B, positions), positions, segments)
-            nll, weight = token_nll(model.logits(h_next), targets, weights)
+            h_next = feedback_pass(model, e, h, fuse_from_B, positions, segments)
+            loss = mean_loss(*readout_nll(model, h_next, targets, weights))
             change = jnp.linalg.norm((h_next - h).astype(jnp.float32)) / jnp.linalg.norm(h_next.astype(jnp.float32))
-            return h_next, losses.at[k].set(nll / weight), changes.at[k].set(change)
+            return h_next, losses.at[k].set(loss), changes.at[k].set(change)
 
-        losses = jnp.zeros(max_depth).at[0].set(nll / weight)
+        losses = jnp.zeros(max_depth).at[0].set(mean_loss(*readout_nll(model, h0, targets, weights)))
         changes = jnp.zeros(max_depth).at[0].set(jnp.nan)
         _, losses, changes = jax.lax.fori_loop(1, max_depth, body, (h0, losses, changes))
         return losses, changes
@@ -71,8 +72,7 @@ def sequential_profile(model: Any, batch: dict[str, np.ndarray]) -> dict[str, np
     h_BTD = jnp.swapaxes(h_TBD, 0, 1)
     targets = jnp.asarray(batch["targets"])[:, : T - 1]
     weights = jnp.asarray(batch["weights"])[:, : T - 1]
-    nll_BT = -jnp.take_along_axis(jax.nn.log_softmax(logits_BTV), targets[..., None], -1)[..., 0]
-    loss_T = jnp.sum(nll_BT * weights, 0) / jnp.maximum(jnp.sum(weights, 0), 1e-8)
+    loss_T = mean_loss(jnp.sum(token_nll_BT(logits_BTV, targets, weights), 0), jnp.sum(weights, 0))
     norm_T = jnp.mean(jnp.linalg.norm(h_BTD.astype(jnp.float32), axis=-1), 0)
     return {"loss": np.asarray(loss_T), "state_norm": np.asarray(norm_T)}
 
@@ -100,17 +100,14 @@ def mode_accuracy(model: Any, batch: dict[str, np.ndarray], prompt_len: int) -> 
 
 def layer_features(model: Any, tokens: jax.Array, num_passes: int) -> list[np.ndarray]:
     """Each block's output (layer 0 … L−1) in the last of `num_passes` passes, fully fused."""
-    positions = default_positions(tokens.shape)
-    e = model.embed(tokens)
-    u = e
-    for _ in range(num_passes - 1):
-        u = feedback_inputs(model, e, model.stack(u, positions), jnp.ones(tokens.shape[0], jnp.int32), positions)
-    mask = (jnp.arange(tokens.shape[1])[None, :] <= jnp.arange(tokens.shape[1])[:, None])[None, None]
-    mask = jnp.broadcast_to(mask, (tokens.shape[0], 1, tokens.shape[1], tokens.shape[1]))
-    x = u.astype(model.compute_dtype)
-    outputs = []
     if model.cfg.scan_layers:
         raise ConfigError("layer probes need an unscanned model (model.scan_layers=False)")
+    positions = default_positions(tokens.shape)
+    fully_fused = jnp.ones(tokens.shape[0], jnp.int32)
+    _, u = last_pass_inputs(model, model.embed(tokens), fully_fused, num_passes, positions)
+    mask = attention_mask(positions, None)
+    x = u.astype(model.compute_dtype)
+    outputs = []
     for block in model.blocks:
         x = block(x, positions, mask)
         outputs.append(np.asarray(x, np.float32))
@@ -209,8 +206,8 @@ def write_plots(report: dict[str, Any], output: str) -> list[str]:
 
 
 def evaluate(checkpoint_path: str, output: str, depths: int, seq_len: int, batch_size: int, log: Any = print) -> dict:
-    from fbt_jax.checkpoint import load_model
     from fbt_jax.data.pipeline import make_source
+    from fbt_jax.trained import load_model
 
     model, config = load_model(checkpoint_path, log)
     if config.data.source == "task":
@@ -254,9 +251,8 @@ def evaluate(checkpoint_path: str, output: str, depths: int, seq_len: int, batch
 
 def main(argv: list[str] | None = None) -> None:
     """`fbt-eval`: evaluate a trained run (depth stability, sequential feedback, modes, probes)."""
-    import argparse
 
-    parser = argparse.ArgumentParser(prog="fbt-eval", description=main.__doc__)
+    parser = ArgumentParser(prog="fbt-eval", description=main.__doc__)
     parser.add_argument("--checkpoint", required=True, help="a run's workdir or checkpoint directory")
     parser.add_argument("--output", required=True, help="directory for report.json and the plots")
     parser.add_argument(
@@ -266,8 +262,8 @@ def main(argv: list[str] | None = None) -> None:
         "--seq-len", type=int, default=0, help="evaluation length for built-in tasks (default: the trained length)"
     )
     parser.add_argument("--batch-size", type=int, default=32)
-    args = parser.parse_args(argv)
     with reported("fbt-eval"):
+        args = parser.parse_args(argv)
         if args.batch_size < 1:
             raise ConfigError(f"--batch-size={args.batch_size} must be at least 1")
         if args.max_depth < 0:

@@ -1,4 +1,4 @@
-"""Latent feedback: the fusion (docs/method.md §3), the K-pass objective (§5) and its ground truth (§4).
+"""Latent feedback: the K-pass objective (docs/method.md §5), prefix mix-in (§7) and its ground truth (§4).
 
 Sequential semantics (what inference does). With fuse-from index p ≥ 1 per example:
     u_t = e_t                      for t < p
@@ -13,50 +13,13 @@ pass k is exact at every position t < p + k − 1 (the exactness property the te
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-if TYPE_CHECKING:
-    from fbt_jax.model import FBTransformer
-
-FUSIONS = ("glu", "add")
-
-
-class Fusion(nnx.Module):
-    """fuse(e, h) = (W_U h) ⊙ σ(W_G e)  ("glu"), or e + W_U h  ("add", an ablation only).
-
-    Asymmetric on purpose: the carried state supplies the values and the token only gates them,
-    so the model cannot fall back to plain token inputs by shrinking the state path (which the
-    symmetric additive form allows).
-    """
-
-    def __init__(self, dim: int, kind: str, param_dtype: Any, compute_dtype: Any, rngs: nnx.Rngs):
-        if kind not in FUSIONS:
-            raise ValueError(f"model.fusion={kind!r} is unknown; use one of {FUSIONS}")
-        self.kind = kind
-        self.compute_dtype = jnp.dtype(compute_dtype)
-        std = dim**-0.5  # keeps W_U h at unit RMS, like e, for a final-normed h
-        axes = ("embed", "fusion")  # (AXIS_EMBED, AXIS_FUSION) in model.py
-        init = lambda: std * jax.random.normal(rngs.params(), (dim, dim), param_dtype)  # noqa: E731
-        self.state_proj_DD = nnx.Param(init(), out_sharding=axes, eager_sharding=False)  # W_U
-        if kind == "glu":
-            self.gate_proj_DD = nnx.Param(init(), out_sharding=axes, eager_sharding=False)  # W_G
-
-    def __call__(self, e_BTD: jax.Array, h_BTD: jax.Array) -> jax.Array:
-        cd = self.compute_dtype
-        value_BTD = jnp.einsum("btd,de->bte", h_BTD.astype(cd), self.state_proj_DD[...].astype(cd))
-        if self.kind == "add":
-            return e_BTD.astype(cd) + value_BTD
-        gate_BTD = jnp.einsum("btd,de->bte", e_BTD.astype(cd), self.gate_proj_DD[...].astype(cd))
-        return value_BTD * jax.nn.sigmoid(gate_BTD)
-
-
-def default_positions(shape_BT: tuple[int, ...]) -> jax.Array:
-    """Positions 0..T-1 for every row (unpacked sequences)."""
-    return jnp.broadcast_to(jnp.arange(shape_BT[1], dtype=jnp.int32), shape_BT)
+from fbt_jax.layers import default_positions
+from fbt_jax.losses import mean_loss, readout_nll
+from fbt_jax.model import FBTransformer
 
 
 def shift_right(h_BTD: jax.Array) -> jax.Array:
@@ -97,6 +60,53 @@ class PassOptions:
         return w / jnp.sum(w)
 
 
+def feedback_pass(
+    model: FBTransformer,
+    e_BTD: jax.Array,
+    h_prev_BTD: jax.Array,
+    fuse_from_B: jax.Array,
+    positions_BT: jax.Array,
+    segment_ids_BT: jax.Array | None = None,
+) -> jax.Array:
+    """One more pass: H' = F(fuse(E, shift(H))), fused from each row's `fuse_from`."""
+    return model.stack(
+        feedback_inputs(model, e_BTD, h_prev_BTD, fuse_from_B, positions_BT), positions_BT, segment_ids_BT
+    )
+
+
+def last_pass_inputs(
+    model: FBTransformer,
+    e_BTD: jax.Array,
+    fuse_from_B: jax.Array,
+    num_passes: int,
+    positions_BT: jax.Array,
+    segment_ids_BT: jax.Array | None = None,
+    options: PassOptions = PassOptions(),
+    noise_rng: jax.Array | None = None,
+) -> tuple[list[jax.Array], jax.Array]:
+    """The K-pass loop up to the last pass: ([H¹, …, Hᴷ⁻¹], Uᴷ), the inputs of pass K.
+
+    The one place passes are chained. Training and evaluation run the last pass with `model.stack`
+    (`kpass_forward`); fused-prefill decoding runs it through the KV cache; probes block by block.
+    `num_passes` is a static Python int: the passes are an unrolled loop, so each K is its own
+    compiled program (XLA then schedules each pass's matmuls like any other layer).
+    """
+    if num_passes < 1:
+        raise ValueError(f"num_passes={num_passes}: every forward runs at least one pass")
+    if options.noise_std > 0.0 and noise_rng is None:
+        raise ValueError("noise_std > 0 needs a noise_rng (noise is for training; pass noise_std=0 to evaluate)")
+    states, u_BTD = [], e_BTD
+    for k in range(1, num_passes):
+        h_BTD = model.stack(u_BTD, positions_BT, segment_ids_BT)
+        states.append(h_BTD)
+        carried_BTD = jax.lax.stop_gradient(h_BTD) if options.stop_gradient else h_BTD
+        if options.noise_std > 0.0:
+            noise = jax.random.normal(jax.random.fold_in(noise_rng, k), carried_BTD.shape, jnp.float32)
+            carried_BTD = carried_BTD + (options.noise_std * noise).astype(carried_BTD.dtype)
+        u_BTD = feedback_inputs(model, e_BTD, carried_BTD, fuse_from_B, positions_BT)
+    return states, u_BTD
+
+
 def kpass_forward(
     model: FBTransformer,
     tokens_BT: jax.Array,
@@ -107,48 +117,14 @@ def kpass_forward(
     positions_BT: jax.Array | None = None,
     segment_ids_BT: jax.Array | None = None,
 ) -> list[jax.Array]:
-    """Top states of each of the K passes, [H¹, …, Hᴷ] (docs/method.md §5).
-
-    `num_passes` is a static Python int: the passes are an unrolled loop, so each K is its own
-    compiled program (XLA then schedules each pass's matmuls like any other layer).
-    """
-    if num_passes < 1:
-        raise ValueError(f"num_passes={num_passes}: every forward runs at least one pass")
-    if options.noise_std > 0.0 and noise_rng is None:
-        raise ValueError("noise_std > 0 needs a noise_rng (noise is for training; pass noise_std=0 to evaluate)")
+    """Top states of each of the K passes, [H¹, …, Hᴷ] (docs/method.md §5)."""
     if positions_BT is None:
         positions_BT = default_positions(tokens_BT.shape)
     e_BTD = model.embed(tokens_BT)
-    h_BTD = model.stack(e_BTD, positions_BT, segment_ids_BT)
-    states = [h_BTD]
-    for k in range(1, num_passes):
-        carried_BTD = jax.lax.stop_gradient(h_BTD) if options.stop_gradient else h_BTD
-        if options.noise_std > 0.0:
-            noise = jax.random.normal(jax.random.fold_in(noise_rng, k), carried_BTD.shape, jnp.float32)
-            carried_BTD = carried_BTD + (options.noise_std * noise).astype(carried_BTD.dtype)
-        u_BTD = feedback_inputs(model, e_BTD, carried_BTD, fuse_from_B, positions_BT)
-        h_BTD = model.stack(u_BTD, positions_BT, segment_ids_BT)
-        states.append(h_BTD)
-    return states
-
-
-def token_nll(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Summed weighted cross-entropy and summed weight (fp32), for exact means over batches."""
-    acc = jnp.promote_types(logits_BTV.dtype, jnp.float32)
-    logprobs_BTV = jax.nn.log_softmax(logits_BTV.astype(acc), axis=-1)
-    counted_BT = weights_BT > 0
-    # Masked targets may hold any filler (e.g. -100): gather a valid index there, then drop it,
-    # since an out-of-range gather gives NaN and NaN × 0 is still NaN.
-    safe_targets_BT = jnp.where(counted_BT, targets_BT, 0)
-    nll_BT = -jnp.take_along_axis(logprobs_BTV, safe_targets_BT[..., None], axis=-1)[..., 0]
-    weights_BT = weights_BT.astype(acc)
-    return jnp.sum(jnp.where(counted_BT, nll_BT * weights_BT, 0.0)), jnp.sum(weights_BT)
-
-
-def token_loss(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array) -> jax.Array:
-    """Mean cross-entropy over tokens with non-zero weight (masked targets have weight 0)."""
-    nll, weight = token_nll(logits_BTV, targets_BT, weights_BT)
-    return nll / jnp.maximum(weight, 1e-8)
+    states, u_BTD = last_pass_inputs(
+        model, e_BTD, fuse_from_B, num_passes, positions_BT, segment_ids_BT, options, noise_rng
+    )
+    return [*states, model.stack(u_BTD, positions_BT, segment_ids_BT)]
 
 
 def kpass_loss(
@@ -174,7 +150,7 @@ def kpass_loss(
         batch.get("positions"),
         batch.get("segment_ids"),
     )
-    pass_losses = jnp.stack([token_loss(model.logits(h), batch["targets"], batch["weights"]) for h in states])
+    pass_losses = jnp.stack([mean_loss(*readout_nll(model, h, batch["targets"], batch["weights"])) for h in states])
     loss = jnp.sum(options.pass_weights(num_passes) * pass_losses)
     metrics = {f"loss_pass_{k + 1}": pass_losses[k] for k in range(num_passes)}
     return loss, metrics

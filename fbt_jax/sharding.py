@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fbt_jax.errors import ConfigError
-from fbt_jax.model import PARAM_AXES
+from fbt_jax.layers import PARAM_AXES
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXIS = "batch"  # logical name of the batch dim of data and activations

@@ -42,7 +42,7 @@ MODULES = {
     "fbt-train": "fbt_jax.train",
     "fbt-eval": "fbt_jax.evaluate",
     "fbt-decode": "fbt_jax.decode_cli",
-    "fbt-prepare": "fbt_jax.data.records",
+    "fbt-prepare": "fbt_jax.data.prepare",
 }
 PROGRAM_NAMES = {"launch/local.sh": "local.sh"}
 LOCK_NAME = ".fbt-train.lock"

@@ -174,7 +174,7 @@ def private_names(source: str) -> list[str]:
 def test_private_name_check_catches_what_it_should():
     source = (
         "import fbt_jax._internal\n"
-        "from fbt_jax.train import Trainer, _compile\n"
+        "from fbt_jax.train.programs import _compile\n"
         "from fbt_jax._x import y\n"
         "batch = trainer._local_batch('train', 0, 8)\n"
         "getattr(trainer, '_abstract')\n"

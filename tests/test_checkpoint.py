@@ -17,7 +17,7 @@ import pytest
 from test_config import ROOT, load_config
 
 from fbt_jax.errors import PREEMPTED_EXIT_CODE, ConfigError
-from fbt_jax.train import Trainer
+from fbt_jax.train.trainer import Trainer
 
 N = 150  # checkpoint interval; runs go to 2N with K drawn from a mix, so K changes across step N
 COMMAND = [

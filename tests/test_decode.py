@@ -8,7 +8,8 @@ from conftest import small_model_config
 
 from fbt_jax import decode
 from fbt_jax.errors import ConfigError
-from fbt_jax.feedback import default_positions, feedback_inputs, kpass_forward, sequential_feedback
+from fbt_jax.feedback import feedback_inputs, kpass_forward, sequential_feedback
+from fbt_jax.layers import default_positions
 from fbt_jax.model import build_model
 
 T = 12

@@ -14,8 +14,8 @@ from fbt_jax.feedback import (
     kpass_forward,
     kpass_loss,
     sequential_feedback,
-    token_loss,
 )
+from fbt_jax.losses import token_loss
 from fbt_jax.model import build_model
 
 T = 10

@@ -36,7 +36,7 @@ def test_grouped_kv_heads_equal_full_attention_with_repeated_kv():
     mha_params = jax.tree.map(lambda x: x, gqa_params)  # same values everywhere ...
     for i in range(2):  # ... except k/v: head n of the MHA model copies kv head n // 2
         attn = mha_params["blocks"][i]["attn"]
-        for name in ("k_DKH", "v_DKH"):
+        for name in ("k_DGH", "v_DGH"):
             attn[name] = nnx.Param(jnp.repeat(attn[name][...], 2, axis=1))
     mha = nnx.merge(mha_graph, mha_params)
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 8), 0, 16)

@@ -12,6 +12,7 @@ from conftest import small_model_config
 from test_config import ROOT, load_config
 
 from fbt_jax.data import records
+from fbt_jax.data.documents import is_validation, read_documents, text_files
 from fbt_jax.data.packing import pack_documents, record_to_example
 from fbt_jax.data.pipeline import StepBatches, batch_iterator, make_source
 from fbt_jax.errors import ConfigError
@@ -100,7 +101,7 @@ def prepared(tmp_path_factory):
 def test_prepared_splits_hold_every_document_once_and_never_overlap(prepared):
     corpus, out, _ = prepared
     meta = records.read_meta(out)
-    expected = list(records.read_documents(records.text_files(f"{corpus}/*")))
+    expected = list(read_documents(text_files(f"{corpus}/*")))
     for split in ("train", "validation"):
         source = records.PackedRecords(out, split)
         assert meta["records"][split] == len(source)
@@ -111,7 +112,7 @@ def test_prepared_splits_hold_every_document_once_and_never_overlap(prepared):
             bytes(piece[:-1].tolist()).decode() for piece in np.split(stream, np.flatnonzero(stream == 256) + 1)[:-1]
         ]
         held_out = split == "validation"
-        assert documents == [d for d in expected if records.is_validation(d, 0.2) == held_out]
+        assert documents == [d for d in expected if is_validation(d, 0.2) == held_out]
     assert meta["documents"]["train"] + meta["documents"]["validation"] == len(expected)
     assert 0 < meta["documents"]["validation"] < len(expected)
 
@@ -164,7 +165,7 @@ def test_text_source_prepares_on_first_use_and_trains(tmp_path, prepared):
     assert source.vocab_size == 257 and len(source) == len(records.PackedRecords(out, "train"))
     again = make_source(config, "train")  # cached: same directory, nothing rebuilt
     assert again.directory == source.directory
-    from fbt_jax.train import Trainer
+    from fbt_jax.train.trainer import Trainer
 
     config.train.steps = 3
     config.optimizer.warmup_steps = 1
@@ -227,7 +228,7 @@ FbtTinyText(data_dir={data_dir!r}).download_and_prepare(file_format="array_recor
     ],
 )
 def test_bad_data_inputs_give_one_clear_line(tmp_path, prepared, overrides, message):
-    from fbt_jax.train import Trainer
+    from fbt_jax.train.trainer import Trainer
 
     corpus, _, _ = prepared
     (tmp_path / "empty.txt").write_text("")
@@ -257,7 +258,7 @@ def test_sentencepiece_tokenizer_by_path(tmp_path, prepared):
     config = text_config(tmp_path, f"{corpus}/*")
     config.data.tokenizer = str(tmp_path / "sp.model")
     config.model.vocab_size = 32
-    from fbt_jax.train import Trainer
+    from fbt_jax.train.trainer import Trainer
 
     with pytest.raises(ConfigError, match="smaller than the data's vocabulary"):
         Trainer(config, log=lambda *_: None)

@@ -18,7 +18,7 @@ from test_config import ROOT
 
 from fbt_jax.checkpoint import Checkpointer
 from fbt_jax.errors import PREEMPTED_EXIT_CODE, CheckpointError, ConfigError, WorkdirBusy
-from fbt_jax.train import Trainer
+from fbt_jax.train.trainer import Trainer
 from fbt_jax.workdir import RunDirectory
 
 TRAIN = [
@@ -74,7 +74,7 @@ def test_divergence_stops_before_saving_and_keeps_the_last_finite_checkpoints(tm
     for step in steps:  # ... and what was saved is finite
         checkpointer = Checkpointer(directory, config.checkpoint)
         trainer = Trainer(config, log=lambda *_: None)
-        restored = checkpointer._restore_step(step, trainer.sharded_abstract_state(), config)
+        restored = checkpointer._restore_step(step, trainer.programs.sharded_abstract_state(), config)
         checkpointer.close()
         assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(restored.state))
 

@@ -12,7 +12,7 @@ from test_config import ROOT, load_config
 
 from fbt_jax import sharding
 from fbt_jax.errors import ConfigError
-from fbt_jax.train import Trainer
+from fbt_jax.train.trainer import Trainer
 
 MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 4, 2)]
 STEPS = 8
@@ -61,10 +61,10 @@ def test_sharded_training_matches_one_device(tmp_path, single_device_run, mesh):
 
 
 def check_every_parameter_follows_its_rule(trainer):
-    rules, mesh = trainer.rules, trainer.mesh
+    rules, mesh = trainer.programs.rules, trainer.programs.mesh
     state = trainer.state
     leaves = jax.tree_util.tree_leaves_with_path(state.params, is_leaf=lambda x: isinstance(x, jax.Array))
-    abstract = jax.tree.leaves(trainer.abstract_state.params, is_leaf=lambda x: hasattr(x, "get_metadata"))
+    abstract = jax.tree.leaves(trainer.programs.abstract_state.params, is_leaf=lambda x: hasattr(x, "get_metadata"))
     assert len(leaves) == len(abstract)
     for (path, array), var in zip(leaves, abstract):
         expected = sharding.logical_to_spec(var.get_metadata()["out_sharding"], rules)

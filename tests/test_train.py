@@ -17,7 +17,8 @@ from flax import nnx
 from test_config import ROOT, load_config
 
 from fbt_jax.model import ModelConfig, build_model
-from fbt_jax.train import Trainer, make_optimizer
+from fbt_jax.train.step import make_optimizer
+from fbt_jax.train.trainer import Trainer
 
 REQUIRED_KEYS = {"step", "loss", "num_passes", "grad_norm", "learning_rate", "tokens_per_second", "loss_pass_1"}
 
@@ -174,7 +175,7 @@ def test_train_step_applies_noise_and_prefix_mixin_and_eval_is_deterministic(tmp
     import functools
 
     from fbt_jax.feedback import kpass_forward
-    from fbt_jax.train import eval_step, step_settings, train_step
+    from fbt_jax.train.step import eval_step, step_settings, train_step
 
     config = small_run_config(tmp_path, "step")
     config.passes.prefix_mixin_prob = 1.0
@@ -185,7 +186,11 @@ def test_train_step_applies_noise_and_prefix_mixin_and_eval_is_deterministic(tmp
 
     def run(settings):
         step = functools.partial(
-            train_step, graphdef=trainer.graphdef, tx=trainer.tx, lr_schedule=trainer.lr_schedule, num_passes=2
+            train_step,
+            graphdef=trainer.programs.graphdef,
+            tx=trainer.programs.tx,
+            lr_schedule=trainer.programs.lr_schedule,
+            num_passes=2,
         )
         return jax.jit(step, static_argnames="settings")(trainer.state, batch, settings=settings)[1]
 
@@ -200,20 +205,20 @@ def test_train_step_applies_noise_and_prefix_mixin_and_eval_is_deterministic(tmp
     assert 5.0 <= float(with_noise["mean_fuse_from"]) <= 7.0
 
     # Eval: no noise, fuse-from = eval.fuse_from, pass k of the program = a k-pass forward.
-    out = jax.jit(functools.partial(eval_step, graphdef=trainer.graphdef, num_passes=3, fuse_from=4))(
+    out = jax.jit(functools.partial(eval_step, graphdef=trainer.programs.graphdef, num_passes=3, fuse_from=4))(
         trainer.state.params, batch
     )
-    model = nnx.merge(trainer.graphdef, trainer.state.params)
+    model = nnx.merge(trainer.programs.graphdef, trainer.state.params)
     states = kpass_forward(model, batch["inputs"], jnp.full((config.train.batch_size,), 4), 3)
     for k, h in enumerate(states, start=1):
-        from fbt_jax.feedback import token_nll
+        from fbt_jax.losses import token_nll
 
         nll, _ = token_nll(model.logits(h), batch["targets"], batch["weights"])
         assert float(out[f"nll_{k}"]) == pytest.approx(float(nll), rel=1e-5)
 
 
 def test_interval_metrics_average_each_pass_over_the_steps_that_ran_it():
-    from fbt_jax.train import interval_metrics
+    from fbt_jax.train.loop import interval_metrics
 
     pending = [
         (1, {"loss": 2.0, "loss_pass_1": 2.0, "learning_rate": 0.1, "grad_norm": 1.0}),

@@ -20,6 +20,7 @@ import numpy as np
 
 from fbt_jax import paths
 from fbt_jax.data import records
+from fbt_jax.data.documents import text_files, text_split_documents, tfds_split_documents
 from fbt_jax.data.tasks import SyntheticTask, make_task
 from fbt_jax.data.tokenizers import load_tokenizer
 from fbt_jax.errors import ConfigError
@@ -55,9 +56,9 @@ def prepared_dir(config: Any) -> str:
     if data.source == "text" and os.path.isdir(data.path):
         return data.path  # already prepared by fbt-prepare
     if data.source == "text":
-        documents, source = records.text_split_documents(data.path, data.validation_fraction)
+        documents, source = text_split_documents(data.path, data.validation_fraction)
     else:
-        documents, source = records.tfds_split_documents(
+        documents, source = tfds_split_documents(
             data.tfds_name, data.tfds_data_dir, data.tfds_text_key, data.tfds_train_split, data.tfds_validation_split
         )
     key = json.dumps(
@@ -100,7 +101,7 @@ def validate_data(config: Any) -> tuple[int, str]:
         if os.path.isdir(data.path):
             meta = records.read_meta(data.path)
             return meta["vocab_size"], f"the prepared data in {data.path}"
-        records.text_files(data.path)
+        text_files(data.path)
     elif not data.tfds_name:
         raise ConfigError("data.source='tfds' needs data.tfds_name (and data.tfds_data_dir)")
     elif not data.tfds_data_dir:

@@ -7,84 +7,28 @@
     validation.array_record
 
 Training then reads records by index (random access), so the batch of any step can be rebuilt
-from the step number alone. Documents go to validation by a hash of their text
-(`validation_fraction`), so the two splits never share a document; a TFDS dataset keeps its own
-splits.
+from the step number alone. A prepared directory can live in a bucket: it is uploaded after
+preparing, and copied once per host before training (`upload_dir`, `download_dir`).
 """
 
 from __future__ import annotations
 
-import argparse
-import glob
 import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
-from fbt_jax import paths
 from fbt_jax.data.packing import pack_documents, record_to_example, records_to_examples
 from fbt_jax.data.tokenizers import load_tokenizer
-from fbt_jax.errors import ConfigError, describe, reported
+from fbt_jax.errors import ConfigError, describe
 
 FORMAT_VERSION = 1
 SPLIT_NAMES = ("train", "validation")
-
-
-def text_files(pattern: str, flag: str = "data.path") -> list[str]:
-    """Files matched by a glob (or a single path); a clear error if none, or one is unreadable/empty.
-
-    `flag` is how the user gave the glob (a config field or a command-line flag), named in errors.
-    """
-    paths = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
-    if not paths:
-        raise ConfigError(f"{flag}={pattern!r} matches no file; give a glob of text files, e.g. 'corpus/*.txt'")
-    for path in paths:
-        if not os.access(path, os.R_OK):
-            raise ConfigError(f"text file {path} is not readable; fix its permissions or drop it from {flag}")
-        if os.path.getsize(path) == 0:
-            raise ConfigError(f"text file {path} is empty; remove it or fix {flag}")
-    return paths
-
-
-def read_documents(paths: list[str], flag: str = "data.path") -> Iterator[str]:
-    """`.jsonl` files: one document per line (its "text" field); other files: one document each."""
-    for path in paths:
-        try:
-            with open(path, encoding="utf-8") as f:
-                if path.endswith(".jsonl"):
-                    for number, line in enumerate(f, start=1):
-                        if line.strip():
-                            try:
-                                text = json.loads(line)["text"]
-                            except (json.JSONDecodeError, KeyError, TypeError):
-                                text = None
-                            if not isinstance(text, str):
-                                raise ConfigError(
-                                    f"{path}:{number} is not a JSON object with a 'text' string; write one "
-                                    '{"text": "..."} object per line, or drop the file from ' + flag
-                                )
-                            yield text
-                else:
-                    yield f.read()
-        except UnicodeDecodeError as err:
-            raise ConfigError(
-                f"text file {path} is not UTF-8 text ({err.reason} at byte {err.start}); convert it to UTF-8 "
-                f"or drop it from {flag}"
-            ) from None
-        except OSError as err:
-            raise ConfigError(
-                f"text file {path} cannot be read ({err.strerror or err}); fix it or drop it from {flag}"
-            ) from None
-
-
-def is_validation(text: str, fraction: float) -> bool:
-    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2**64 < fraction
 
 
 def write_records(path: str, records: Iterable[np.ndarray]) -> int:
@@ -310,70 +254,6 @@ def check_file(path: str, recorded: dict[str, Any] | None) -> None:
             )
 
 
-def main(argv: list[str] | None = None) -> None:
-    """`fbt-prepare`: tokenise and pack a text corpus or a TFDS dataset into fixed-length records."""
-    parser = argparse.ArgumentParser(prog="fbt-prepare", description=main.__doc__)
-    parser.add_argument("--output", required=True, help="directory to write (must not exist yet)")
-    parser.add_argument("--seq-len", type=int, required=True, help="tokens per example (the model's data.seq_len)")
-    parser.add_argument(
-        "--input", help="glob of text files (.jsonl: one {'text': ...} per line; others: one document per file)"
-    )
-    parser.add_argument("--tokenizer", default="byte", help="'byte' or a SentencePiece .model path")
-    parser.add_argument("--validation-fraction", type=float, default=0.01, help="share of text documents held out")
-    parser.add_argument("--tfds-name", help="a prepared TFDS dataset (name[:version]) instead of --input")
-    parser.add_argument("--tfds-data-dir", help="its data_dir (local or gs://)")
-    parser.add_argument("--tfds-text-key", default="text")
-    parser.add_argument("--tfds-splits", default="train,validation", help="TFDS splits used as train,validation")
-    args = parser.parse_args(argv)
-    with reported("fbt-prepare"):
-        output = paths.resolve(args.output, "--output")
-        if paths.is_url(output):
-            paths.check_reachable(output, "--output")
-            from etils import epath
-
-            if epath.Path(output).exists():
-                raise ConfigError(
-                    f"--output {output} already exists; choose a new directory (prepared data is never overwritten)"
-                )
-        else:
-            if os.path.exists(output):
-                raise ConfigError(
-                    f"--output {output} already exists; choose a new directory (prepared data is never overwritten)"
-                )
-            paths.check_output_dir(output, "--output")
-        if args.seq_len < 2:
-            raise ConfigError(f"--seq-len {args.seq_len} is too short; use at least 2")
-        if bool(args.input) == bool(args.tfds_name):
-            raise ConfigError("give exactly one of --input (text files) or --tfds-name (a TFDS dataset)")
-        tokenizer = args.tokenizer if args.tokenizer == "byte" else paths.resolve(args.tokenizer, "--tokenizer")
-        load_tokenizer(tokenizer, "--tokenizer")  # a bad tokenizer fails here, before reading any data
-        if args.input:
-            documents, source = text_split_documents(
-                paths.resolve(args.input, "--input"), args.validation_fraction, "--input", "--validation-fraction"
-            )
-        else:
-            if args.tfds_splits.count(",") != 1:
-                raise ConfigError(f"--tfds-splits={args.tfds_splits!r} must name two splits: train,validation")
-            train_split, validation_split = args.tfds_splits.split(",")
-            data_dir = paths.resolve(args.tfds_data_dir or "", "--tfds-data-dir")
-            documents, source = tfds_split_documents(
-                args.tfds_name, data_dir, args.tfds_text_key, train_split, validation_split
-            )
-        if paths.is_url(output):
-            with tempfile.TemporaryDirectory(prefix="fbt-prepare-") as staging:
-                local = os.path.join(staging, "prepared")
-                meta = prepare(documents, tokenizer, args.seq_len, local, source, progress=True)
-                upload_dir(local, output)
-        else:
-            meta = prepare(documents, tokenizer, args.seq_len, output, source, progress=True)
-    print(
-        f"wrote {meta['records']['train']:,} train and {meta['records']['validation']:,} validation records "
-        f"({meta['tokens']['train']:,} + {meta['tokens']['validation']:,} tokens, vocab {meta['vocab_size']}) "
-        f"to {output}; train with --config.data.source=text --config.data.path={output} "
-        f"--config.data.seq_len={args.seq_len} --config.model.vocab_size={meta['vocab_size']}"
-    )
-
-
 def upload_dir(local: str, url: str) -> None:
     """Copy a prepared directory to a bucket, meta.json last: readers take its presence as complete."""
     from etils import epath
@@ -419,61 +299,3 @@ def download_dir(url: str, cache_dir: str) -> str:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return local
-
-
-def text_split_documents(
-    pattern: str,
-    validation_fraction: float,
-    flag: str = "data.path",
-    fraction_flag: str = "data.validation_fraction",
-) -> tuple[dict[str, Iterable[str]], dict]:
-    """The train and validation documents of text files; `flag` and `fraction_flag` name where the
-    glob and the fraction came from, in errors."""
-    if not 0.0 <= validation_fraction < 1.0:
-        raise ConfigError(
-            f"{fraction_flag}={validation_fraction} must be in [0, 1); give the share of documents to hold out, e.g. 0.01"
-        )
-    paths = text_files(pattern, flag)
-    documents = {
-        "train": (d for d in read_documents(paths, flag) if not is_validation(d, validation_fraction)),
-        "validation": (d for d in read_documents(paths, flag) if is_validation(d, validation_fraction)),
-    }
-    fingerprint = [(p, os.path.getsize(p), int(os.path.getmtime(p))) for p in paths]
-    return documents, {"kind": "text", "files": fingerprint, "validation_fraction": validation_fraction}
-
-
-def tfds_split_documents(
-    name: str, data_dir: str | None, text_key: str, train_split: str, validation_split: str
-) -> tuple[dict[str, Iterable[str]], dict]:
-    if not data_dir:
-        raise ConfigError(f"the TFDS dataset {name!r} needs its data_dir (data.tfds_data_dir / --tfds-data-dir)")
-    import tensorflow_datasets as tfds
-
-    try:
-        builder = tfds.builder(name, data_dir=data_dir)
-        info = builder.info
-        splits = {
-            s: builder.as_data_source(split=sp) for s, sp in (("train", train_split), ("validation", validation_split))
-        }
-    except Exception as err:  # tfds raises many types for "not found"; report them as one line
-        raise ConfigError(f"TFDS dataset {name!r} is not prepared in {data_dir} ({describe(err, 300)})") from None
-    if text_key not in info.features:
-        raise ConfigError(f"TFDS dataset {name!r} has no feature {text_key!r}; its features are {list(info.features)}")
-
-    def texts(source):
-        for i in range(len(source)):
-            value = source[i][text_key]
-            yield value.decode("utf-8") if isinstance(value, bytes) else str(value)
-
-    documents = {split: texts(source) for split, source in splits.items()}
-    return documents, {
-        "kind": "tfds",
-        "name": name,
-        "data_dir": str(data_dir),
-        "version": str(info.version),
-        "splits": [train_split, validation_split],
-    }
-
-
-if __name__ == "__main__":
-    main()

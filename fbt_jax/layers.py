@@ -1,0 +1,206 @@
+"""Building blocks of the stack, each with explicit sizes: norm, rotary positions, attention,
+the SwiGLU MLP and the latent-feedback fusion (docs/method.md §2–3).
+
+Every parameter carries logical axis names (`out_sharding` metadata, e.g. ('embed', 'mlp')) so
+the sharding rules map names to mesh axes; `eager_sharding=False` lets a layer be built on any
+device set (the mesh-aware init applies the rules through jit's out_shardings).
+
+Shape suffixes: B batch, T sequence (queries), S cached sequence (keys), D model width,
+N query heads, G kv heads (one per group of N/G query heads), R = N/G query heads per kv head,
+H head dim, F MLP hidden width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+# Logical axis names used by the parameters. The sharding rules map these to mesh axes.
+AXIS_VOCAB = "vocab"
+AXIS_EMBED = "embed"
+AXIS_MLP = "mlp"
+AXIS_HEADS = "heads"
+AXIS_KV_HEADS = "kv_heads"
+AXIS_HEAD_DIM = "head_dim"
+AXIS_NORM = "norm"
+AXIS_FUSION = "fusion"
+AXIS_LAYERS = "layers"  # the stacked-layer axis of scanned blocks
+PARAM_AXES = (
+    AXIS_VOCAB,
+    AXIS_EMBED,
+    AXIS_MLP,
+    AXIS_HEADS,
+    AXIS_KV_HEADS,
+    AXIS_HEAD_DIM,
+    AXIS_NORM,
+    AXIS_FUSION,
+    AXIS_LAYERS,
+)
+
+FUSIONS = ("glu", "add")
+
+# A layer's key and value cache, (k_BSGH, v_BSGH).
+KVCache = tuple[jax.Array, jax.Array]
+
+
+def at_least_f32(dtype: Any) -> Any:
+    """Accumulation dtype: fp32 for bf16/fp32 compute, fp64 when computing in fp64."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype: Any) -> jax.Array:
+    return std * jax.random.normal(rngs.params(), shape, dtype)
+
+
+def default_positions(shape_BT: tuple[int, ...]) -> jax.Array:
+    """Positions 0..T-1 for every row (unpacked sequences)."""
+    return jnp.broadcast_to(jnp.arange(shape_BT[1], dtype=jnp.int32), shape_BT)
+
+
+def attention_mask(positions_BT: jax.Array, segment_ids_BT: jax.Array | None) -> jax.Array:
+    """Causal mask (B, 1, T, T): query t sees key s iff s ≤ t (and both share a segment)."""
+    T = positions_BT.shape[1]
+    mask_TT = jnp.tril(jnp.ones((T, T), bool))
+    mask_BTT = jnp.broadcast_to(mask_TT, (positions_BT.shape[0], T, T))
+    if segment_ids_BT is not None:
+        mask_BTT = mask_BTT & (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
+    return mask_BTT[:, None]
+
+
+def rotary(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (split-half form), computed in at least fp32."""
+    acc = at_least_f32(x_BTNH.dtype)
+    half = x_BTNH.shape[-1] // 2
+    freq_H = theta ** (-jnp.arange(half, dtype=acc) / half)
+    angle_BTH = positions_BT[..., None].astype(acc) * freq_H
+    sin, cos = jnp.sin(angle_BTH)[:, :, None, :], jnp.cos(angle_BTH)[:, :, None, :]
+    x1, x2 = jnp.split(x_BTNH.astype(acc), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTNH.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, param_dtype: Any):
+        self.scale = param(jnp.ones((dim,), param_dtype), (AXIS_NORM,))
+        self.eps = eps
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        # Normalise in fp32 whatever the compute dtype: bf16 mean-of-squares loses too much.
+        acc = at_least_f32(x_BTD.dtype)
+        x = x_BTD.astype(acc)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * self.scale[...].astype(acc)).astype(x_BTD.dtype)
+
+
+class Attention(nnx.Module):
+    """Multi-head causal attention with grouped kv heads (num_kv_heads divides num_heads)."""
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        rope_theta: float,
+        param_dtype: Any,
+        out_std: float,
+        rngs: nnx.Rngs,
+    ):
+        D, N, G, H = embed_dim, num_heads, num_kv_heads, embed_dim // num_heads
+        in_std = D**-0.5
+        self.q_DNH = param(normal(rngs, (D, N, H), in_std, param_dtype), (AXIS_EMBED, AXIS_HEADS, AXIS_HEAD_DIM))
+        self.k_DGH = param(normal(rngs, (D, G, H), in_std, param_dtype), (AXIS_EMBED, AXIS_KV_HEADS, AXIS_HEAD_DIM))
+        self.v_DGH = param(normal(rngs, (D, G, H), in_std, param_dtype), (AXIS_EMBED, AXIS_KV_HEADS, AXIS_HEAD_DIM))
+        self.o_NHD = param(normal(rngs, (N, H, D), out_std, param_dtype), (AXIS_HEADS, AXIS_HEAD_DIM, AXIS_EMBED))
+        self.num_kv_heads = G
+        self.rope_theta = rope_theta
+
+    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, mask_B1TT: jax.Array) -> jax.Array:
+        q_BTNH, k_BTGH, v_BTGH = self._project(x_BTD, positions_BT)
+        return self._attend(q_BTNH, k_BTGH, v_BTGH, mask_B1TT)
+
+    def cached(
+        self, x_BTD: jax.Array, positions_BT: jax.Array, mask_B1TS: jax.Array, cache: KVCache, write_index_B: jax.Array
+    ) -> tuple[jax.Array, KVCache]:
+        """Attention over a KV cache: writes this call's keys/values at each row's `write_index`
+        (rows may be at different lengths), then attends over the whole cache under the mask."""
+        q_BTNH, k_BTGH, v_BTGH = self._project(x_BTD, positions_BT)
+
+        def write(cache_SGH: jax.Array, new_TGH: jax.Array, index: jax.Array) -> jax.Array:
+            return jax.lax.dynamic_update_slice(cache_SGH, new_TGH.astype(cache_SGH.dtype), (index, 0, 0))
+
+        k_BSGH = jax.vmap(write)(cache[0], k_BTGH, write_index_B)
+        v_BSGH = jax.vmap(write)(cache[1], v_BTGH, write_index_B)
+        cd = x_BTD.dtype
+        return self._attend(q_BTNH, k_BSGH.astype(cd), v_BSGH.astype(cd), mask_B1TS), (k_BSGH, v_BSGH)
+
+    def _project(self, x_BTD: jax.Array, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        cd = x_BTD.dtype
+        q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.q_DNH[...].astype(cd))
+        k_BTGH = jnp.einsum("btd,dgh->btgh", x_BTD, self.k_DGH[...].astype(cd))
+        v_BTGH = jnp.einsum("btd,dgh->btgh", x_BTD, self.v_DGH[...].astype(cd))
+        return rotary(q_BTNH, positions_BT, self.rope_theta), rotary(k_BTGH, positions_BT, self.rope_theta), v_BTGH
+
+    def _attend(self, q_BTNH: jax.Array, k_BSGH: jax.Array, v_BSGH: jax.Array, mask_B1TS: jax.Array) -> jax.Array:
+        cd = q_BTNH.dtype
+        B, T, N, H = q_BTNH.shape
+        G = self.num_kv_heads
+        acc = at_least_f32(cd)
+        # Query head n uses kv head n // R: split N into (G, R) instead of repeating the kv heads.
+        q_BTGRH = q_BTNH.reshape(B, T, G, N // G, H)
+        scores_BGRTS = jnp.einsum("btgrh,bsgh->bgrts", q_BTGRH, k_BSGH, preferred_element_type=acc) * (H**-0.5)
+        scores_BGRTS = jnp.where(mask_B1TS[:, :, None], scores_BGRTS, jnp.finfo(acc).min)
+        probs_BGRTS = jax.nn.softmax(scores_BGRTS, axis=-1).astype(cd)
+        out_BTGRH = jnp.einsum("bgrts,bsgh->btgrh", probs_BGRTS, v_BSGH)
+        out_BTNH = out_BTGRH.reshape(B, T, N, H)
+        return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_NHD[...].astype(cd))
+
+
+class SwiGLU(nnx.Module):
+    def __init__(self, embed_dim: int, mlp_dim: int, param_dtype: Any, out_std: float, rngs: nnx.Rngs):
+        D, F = embed_dim, mlp_dim
+        self.gate_DF = param(normal(rngs, (D, F), D**-0.5, param_dtype), (AXIS_EMBED, AXIS_MLP))
+        self.up_DF = param(normal(rngs, (D, F), D**-0.5, param_dtype), (AXIS_EMBED, AXIS_MLP))
+        # Contracted dim `mlp` first (Megatron layout): see docs/platform-notes on silent
+        # wrong gradients when the contracted dim of w2 sat on a different mesh axis.
+        self.down_FD = param(normal(rngs, (F, D), out_std, param_dtype), (AXIS_MLP, AXIS_EMBED))
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        cd = x_BTD.dtype
+        gate_BTF = jnp.einsum("btd,df->btf", x_BTD, self.gate_DF[...].astype(cd))
+        up_BTF = jnp.einsum("btd,df->btf", x_BTD, self.up_DF[...].astype(cd))
+        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate_BTF) * up_BTF, self.down_FD[...].astype(cd))
+
+
+class Fusion(nnx.Module):
+    """fuse(e, h) = (W_U h) ⊙ σ(W_G e)  ("glu"), or e + W_U h  ("add", an ablation only).
+
+    Asymmetric on purpose: the carried state supplies the values and the token only gates them,
+    so the model cannot fall back to plain token inputs by shrinking the state path (which the
+    symmetric additive form allows).
+    """
+
+    def __init__(self, dim: int, kind: str, param_dtype: Any, compute_dtype: Any, rngs: nnx.Rngs):
+        if kind not in FUSIONS:
+            raise ValueError(f"model.fusion={kind!r} is unknown; use one of {FUSIONS}")
+        self.kind = kind
+        self.compute_dtype = jnp.dtype(compute_dtype)
+        std = dim**-0.5  # keeps W_U h at unit RMS, like e, for a final-normed h
+        axes = (AXIS_EMBED, AXIS_FUSION)
+        self.state_proj_DD = param(normal(rngs, (dim, dim), std, param_dtype), axes)  # W_U
+        if kind == "glu":
+            self.gate_proj_DD = param(normal(rngs, (dim, dim), std, param_dtype), axes)  # W_G
+
+    def __call__(self, e_BTD: jax.Array, h_BTD: jax.Array) -> jax.Array:
+        cd = self.compute_dtype
+        value_BTD = jnp.einsum("btd,de->bte", h_BTD.astype(cd), self.state_proj_DD[...].astype(cd))
+        if self.kind == "add":
+            return e_BTD.astype(cd) + value_BTD
+        gate_BTD = jnp.einsum("btd,de->bte", e_BTD.astype(cd), self.gate_proj_DD[...].astype(cd))
+        return value_BTD * jax.nn.sigmoid(gate_BTD)

@@ -1,0 +1,86 @@
+"""`fbt-train`: train (or, with --config.dry_run=True, size up) the run a config file describes.
+
+fbt-train --config=configs/tiny.py --config.workdir=runs/tiny
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+
+from fbt_jax import distributed, paths, workdir
+from fbt_jax.config import validate_config
+from fbt_jax.errors import UsageError, divert_library_noise, reported
+
+PROG = "fbt-train"
+
+
+def main(argv: list[str]) -> None:
+    from absl import flags, logging
+
+    del argv
+    if not flags.FLAGS["verbosity"].present:
+        # absl logs at INFO by default, which prints backend probing noise ("Unable to initialize
+        # backend 'tpu'") on machines without one; --verbosity=0 brings it back.
+        logging.set_verbosity(logging.WARNING)
+    config = flags.FLAGS.config
+    with reported(PROG):
+        paths.resolve_config_paths(config)  # relative paths mean: from where the command was started
+        validate_config(config)  # everything that does not depend on the devices, before any set-up
+        if config.dry_run:
+            from fbt_jax.train.dry_run import dry_run  # imported late: it sets up simulated devices
+
+            print(dry_run(config)[0])
+            return
+        paths.check_config_urls(config)
+        divert_library_noise(os.path.join(workdir.local_dir(config.workdir), "fbt-train.log"))
+        distributed.initialize(config.distributed)
+        from fbt_jax.train.trainer import Trainer
+
+        summary = Trainer(config).train()
+    if jax.process_index() == 0:
+        print(format_summary(summary))
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    lines = [f"trained {summary['steps']} steps in {summary['train_seconds']:.1f}s"]
+    if summary["eval"]:
+        ks = sorted(int(key.split("K")[1]) for key in summary["eval"] if key.startswith("loss_"))
+        lines.append("held-out eval (fully fused from position 1):")
+        lines += [
+            f"  K={k}: loss {summary['eval'][f'loss_K{k}']:.4f}  accuracy {summary['eval'][f'accuracy_K{k}']:.3f}"
+            for k in ks
+        ]
+    out = summary["outputs"]
+    lines.append(f"outputs in {out['workdir']}:")
+    lines += [f"  {name:<12}{out[name]}" for name in ("metrics", "eval", "tensorboard", "config")]
+    lines.append(f"  view with: tensorboard --logdir {out['tensorboard']}")
+    return "\n".join(lines)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, with its errors (a misspelt field, a missing config file, a value of
+    the wrong type: assorted exceptions with multi-line messages) reported as one line."""
+    from absl import flags
+
+    with reported(PROG):
+        try:
+            rest = flags.FLAGS(argv)
+            flags.FLAGS.config.keys()  # the config file loads lazily: surface its errors here
+            return rest
+        except (flags.Error, AttributeError, KeyError, OSError, TypeError, ValueError) as err:
+            text = str(err).encode().decode("unicode_escape", errors="replace")
+            if isinstance(err, (AttributeError, KeyError)):
+                raise UsageError(f"unknown config field {' '.join(text.replace(chr(39), '').split())}") from None
+            raise UsageError(f"bad flags: {' '.join(text.split())}") from None
+
+
+def cli() -> None:
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", None, "Path to a config file in configs/, e.g. configs/tiny.py.")
+    flags.mark_flags_as_required(["config"])
+    app.run(main, flags_parser=parse_flags)

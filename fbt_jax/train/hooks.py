@@ -1,0 +1,173 @@
+"""The training loop's hooks: metrics and progress, checkpoints, evaluation; and preemption.
+
+Each is one concern behind the small `loop.Hook` interface. `Trainer` lists them in the order
+they must see a step: the logger (which refuses a non-finite loss), then the checkpoint hook
+(so nothing diverged is ever saved), then evaluation.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from fbt_jax import checkpoint, workdir
+from fbt_jax.errors import Preempted
+from fbt_jax.metrics import MetricsWriter
+from fbt_jax.train.loop import Hook, StepEnd
+from fbt_jax.train.step import TrainState
+
+
+class MetricsLogger(Hook):
+    """Writes each interval's metrics (metrics.jsonl, TensorBoard), drives the progress bar, and
+    stops the run when the loss or the gradient norm is not finite.
+
+    Logs every `log_every` steps, at the end, and at every step `also_at` names (the checkpoint
+    steps: a save is preceded by this finiteness check, so a diverged state is never saved).
+    """
+
+    reads_metrics = True
+
+    def __init__(
+        self,
+        writer: MetricsWriter,
+        log_every: int,
+        steps: int,
+        start_step: int,
+        progress: bool,
+        saved_steps: Callable[[], list[int]],
+        also_at: Callable[[StepEnd], bool] = lambda end: False,
+    ):
+        self.writer, self.log_every, self.saved_steps, self.also_at = writer, log_every, saved_steps, also_at
+        self.bar = progress_bar(steps, enabled=progress and jax.process_index() == 0, initial=start_step)
+        self.shown = ""
+
+    def wants(self, end: StepEnd) -> bool:
+        return end.step % self.log_every == 0 or end.last or end.stopping or self.also_at(end)
+
+    def on_step(self, end: StepEnd) -> None:
+        self.bar.update(1)
+        self.bar.set_postfix_str(f"K={end.num_passes}{self.shown}", refresh=False)
+
+    def on_interval(self, end: StepEnd, record: dict[str, float], state: TrainState) -> None:
+        self.writer.write(end.step, record)
+        self.shown = f", loss={record['loss']:.3f}, tok/s={record['tokens_per_second']:,.0f}"
+        if not (np.isfinite(record["loss"]) and np.isfinite(record["grad_norm"])):
+            saved = self.saved_steps()
+            raise FloatingPointError(
+                f"loss {record['loss']}, gradient norm {record['grad_norm']} at step {end.step} (K={end.num_passes}); "
+                f"nothing after step {saved[-1] if saved else 0} was saved. Lower optimizer.learning_rate "
+                f"or set optimizer.grad_clip_norm, and rerun with --config.checkpoint.allow_resume_changes=True "
+                f"(metrics in {self.writer.paths['train']})"
+            )
+
+    def close(self, failed: bool) -> None:
+        self.bar.close()
+
+
+class CheckpointSaver(Hook):
+    """Saves every `checkpoint.every_steps`, at the last step and when a stop is requested (then
+    leaves with `Preempted`); a failed asynchronous save surfaces at the next logging step."""
+
+    def __init__(self, checkpointer: checkpoint.Checkpointer, config: Any, run_dir: workdir.RunDirectory, log: Any):
+        self.checkpointer, self.config, self.run_dir, self.log = checkpointer, config, run_dir, log
+
+    def saves(self, end: StepEnd) -> bool:
+        return self.checkpointer.due(end.step) or end.last or end.stopping
+
+    def wants(self, end: StepEnd) -> bool:
+        return self.saves(end) or end.step % self.config.train.log_every == 0
+
+    def on_interval(self, end: StepEnd, record: dict[str, float], state: TrainState) -> None:
+        self.checkpointer.check_for_errors()
+        if not self.saves(end):
+            return
+        self.checkpointer.save(end.step, state, self.config, force=True)
+        self.run_dir.sync()
+        if end.stopping:
+            self.checkpointer.wait()
+            raise Preempted(
+                f"stopped at step {end.step} on request; saved {self.checkpointer.directory}/{end.step}; "
+                "run the same command again to resume"
+            )
+
+    def close(self, failed: bool) -> None:
+        finish(self.checkpointer.wait, failed, self.log)  # a save in flight must land before exit
+        self.checkpointer.close()
+
+
+class Evaluator(Hook):
+    """Held-out evaluation every `eval.every_steps` and at the last step (not counted in tokens/s)."""
+
+    counts_as_training = False
+
+    def __init__(self, evaluate: Callable[[TrainState], dict[str, float]], writer: MetricsWriter, every_steps: int):
+        self.evaluate, self.writer, self.every_steps = evaluate, writer, every_steps
+        self.results: dict[str, float] = {}
+
+    def wants(self, end: StepEnd) -> bool:
+        return end.last or bool(self.every_steps and end.step % self.every_steps == 0)
+
+    def on_interval(self, end: StepEnd, record: dict[str, float], state: TrainState) -> None:
+        if self.wants(end):
+            self.results = self.evaluate(state)
+            self.writer.write(end.step, self.results, stream="eval")
+
+
+class PreemptionWatcher:
+    """Turns SIGTERM or SIGINT (single process) or JAX's preemption sync point (multi-host: every
+    process stops at the same step) into a request to save and stop after the current step.
+
+    A second SIGINT interrupts at once (KeyboardInterrupt), for when the save is not wanted.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, checkpointer: checkpoint.Checkpointer | None) -> None:
+        self.checkpointer = checkpointer
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+        # With several processes JAX's preemption notifier owns SIGTERM (and makes every process
+        # stop at the same step); a Python handler here would swallow it.
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.requested = True
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            print("\nstopping after this step and saving a checkpoint (Ctrl-C again to stop at once)", file=sys.stderr)
+
+    def should_stop(self, step: int) -> bool:
+        """Whether to save and stop after `step` (never without a checkpointer to save with)."""
+        if self.checkpointer is None:
+            return False
+        if jax.process_count() > 1:
+            return self.checkpointer.manager.reached_preemption(step)
+        return self.requested
+
+    def close(self) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+
+
+def finish(cleanup: Callable[[], Any], failed: bool, log: Any) -> None:
+    """Run a clean-up step; while another error is on its way out, report its failure instead of
+    letting it replace that error."""
+    try:
+        cleanup()
+    except Exception as err:
+        if not failed:
+            raise
+        log(f"warning: {' '.join(str(err).split())}")
+
+
+def progress_bar(total: int, enabled: bool, initial: int = 0) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True, file=sys.stderr)

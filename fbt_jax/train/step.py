@@ -1,0 +1,146 @@
+"""The pure step functions: `train_step(state, batch)` and `eval_step(params, batch)` for a static
+pass count K, and the optimizer they update with. No I/O, no Python state: `programs.py` compiles
+them ahead of time, once per K, with explicit shardings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx, struct
+
+from fbt_jax.feedback import PassOptions, draw_fuse_from, kpass_forward, kpass_loss
+from fbt_jax.losses import readout_stats
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: nnx.State
+    opt_state: optax.OptState
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """Everything static the step needs besides K (closed over, hashed into the compile)."""
+
+    pass_options: PassOptions
+    prefix_mixin_prob: float
+    fuse_from_min: int
+    fuse_from_max: int
+    seed: int
+
+
+def step_settings(config: ml_collections.ConfigDict) -> StepSettings:
+    p = config.passes
+    return StepSettings(
+        pass_options=PassOptions(
+            noise_std=float(p.noise_std),
+            stop_gradient=bool(p.stop_gradient),
+            loss_weights=tuple(float(w) for w in p.loss_weights),
+        ),
+        prefix_mixin_prob=float(p.prefix_mixin_prob),
+        fuse_from_min=int(p.fuse_from_min),
+        fuse_from_max=int(p.fuse_from_max),
+        seed=int(config.seed),
+    )
+
+
+def make_optimizer(config: ml_collections.ConfigDict) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    o = config.optimizer
+    lr_schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=o.learning_rate,
+        warmup_steps=o.warmup_steps,
+        decay_steps=config.train.steps,
+        end_value=o.learning_rate * o.min_learning_rate_ratio,
+    )
+
+    def decay_mask(params: nnx.State) -> Any:
+        # Decay matrices only. The fusion matrices are exempt: they get no gradient while K = 1
+        # (most of the run), and decoupled decay would shrink them towards 0 before feedback starts.
+        def is_decayed(path: tuple, leaf: Any) -> bool:
+            return leaf.ndim >= 2 and "fusion" not in {str(getattr(k, "key", k)) for k in path}
+
+        return jax.tree_util.tree_map_with_path(is_decayed, params)
+
+    chain = [optax.clip_by_global_norm(o.grad_clip_norm)] if o.grad_clip_norm > 0 else []
+    chain.append(optax.adamw(lr_schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask))
+    return optax.chain(*chain), lr_schedule
+
+
+def train_step(
+    state: TrainState,
+    batch: dict[str, jax.Array],
+    *,
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    lr_schedule: optax.Schedule,
+    settings: StepSettings,
+    num_passes: int,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    # Per-step randomness (prefix mix-in, noise) is keyed by (seed, step) only, like K.
+    step_rng = jax.random.fold_in(jax.random.PRNGKey(settings.seed), state.step)
+    fuse_rng, noise_rng = jax.random.split(step_rng)
+    fuse_from_B = draw_fuse_from(
+        fuse_rng, batch["inputs"].shape[0], settings.prefix_mixin_prob, settings.fuse_from_min, settings.fuse_from_max
+    )
+
+    def loss_fn(params: nnx.State) -> tuple[jax.Array, dict[str, jax.Array]]:
+        model = nnx.merge(graphdef, params)
+        return kpass_loss(model, batch, fuse_from_B, num_passes, settings.pass_options, noise_rng)
+
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {
+        **metrics,
+        "loss": loss,
+        "grad_norm": optax.tree.norm(grads),
+        "learning_rate": lr_schedule(state.step),
+        "mean_fuse_from": jnp.mean(fuse_from_B.astype(jnp.float32)),
+    }
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def eval_step(
+    params: nnx.State,
+    batch: dict[str, jax.Array],
+    *,
+    graphdef: nnx.GraphDef,
+    num_passes: int,
+    fuse_from: int,
+) -> dict[str, jax.Array]:
+    """Summed NLL, correct tokens and weight for each pass 1..num_passes (no noise).
+
+    Without noise, pass k of a K-pass forward equals the last pass of a k-pass forward, so one
+    program with the largest K evaluates every smaller K too.
+    """
+    model = nnx.merge(graphdef, params)
+    fuse_from_B = jnp.full((batch["inputs"].shape[0],), fuse_from, jnp.int32)
+    states = kpass_forward(
+        model,
+        batch["inputs"],
+        fuse_from_B,
+        num_passes,
+        positions_BT=batch.get("positions"),
+        segment_ids_BT=batch.get("segment_ids"),
+    )
+    out = {}
+    for k, h_BTD in enumerate(states, start=1):
+        out |= {
+            f"{name}_{k}": value
+            for name, value in readout_stats(model, h_BTD, batch["targets"], batch["weights"]).items()
+        }
+    return out
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Whether every floating-point leaf of `tree` is finite (one device boolean)."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)

@@ -1,0 +1,255 @@
+"""`Trainer`: one training run. It validates the config, opens the data, builds the compiled
+programs (`programs.py`), restores or creates the train state, and runs the loop (`loop.py`) with
+its hooks (`hooks.py`). Thin on purpose: the math is in the pure step functions (`step.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from fbt_jax import checkpoint, distributed, paths, sharding, trained, workdir
+from fbt_jax.config import validate_config
+from fbt_jax.data.pipeline import StepBatches, batch_iterator, make_source
+from fbt_jax.errors import CheckpointError, ConfigError
+from fbt_jax.metrics import MetricsWriter
+from fbt_jax.model import count_params
+from fbt_jax.schedule import PassSchedule
+from fbt_jax.train import hooks
+from fbt_jax.train.loop import run_steps
+from fbt_jax.train.programs import TrainPrograms
+from fbt_jax.train.step import TrainState, all_finite
+
+
+class Trainer:
+    """Holds a run's data sources, its compiled programs and its train state, and runs it."""
+
+    def __init__(self, config: ml_collections.ConfigDict, log: Any = print, devices: list | None = None):
+        self.config = config
+        self.log = log if jax.process_index() == 0 else (lambda *_: None)
+        devices = list(jax.devices() if devices is None else devices)
+        self.schedule: PassSchedule = validate_config(config, num_devices=len(devices))
+        self.sources = {"train": make_source(config, "train")}
+        if config.eval.num_batches > 0:
+            self.sources["validation"] = make_source(config, "validation")
+        data_vocab = self.sources["train"].vocab_size
+        if data_vocab > config.model.vocab_size:  # prepared data is known only now
+            raise ConfigError(
+                f"model.vocab_size={config.model.vocab_size} is smaller than the data's vocabulary "
+                f"({data_vocab}); set --config.model.vocab_size={data_vocab} or larger"
+            )
+        self.programs = TrainPrograms(config, self.schedule, devices, self.sources["train"].packed, self.log)
+        self.state: TrainState | None = None
+
+    # Data: every process loads only the rows of each global batch that its devices hold.
+
+    def step_batches(self, split: str, batch_size: int) -> StepBatches:
+        """step → this process's rows of that step's global batch of `split` (validation unshuffled)."""
+        shuffle = self.config.data.shuffle and split == "train"
+        return StepBatches(
+            self.sources[split], batch_size, tuple(self.process_rows(batch_size)), self.config.seed, shuffle
+        )
+
+    def to_global(self, local_rows: dict[str, np.ndarray], batch_size: int) -> dict[str, jax.Array]:
+        return sharding.global_batch(local_rows, self.programs.batch_sharding, batch_size)
+
+    def batch(self, split: str, step: int, batch_size: int) -> dict[str, jax.Array]:
+        """The global batch for `step`."""
+        return self.to_global(self.step_batches(split, batch_size)(step), batch_size)
+
+    def process_rows(self, batch_size: int) -> list[int]:
+        """Which rows of each global batch this process loads (for logs and tests)."""
+        return sharding.process_rows(self.programs.batch_sharding, batch_size).tolist()
+
+    # State.
+
+    def init_state(self) -> None:
+        self.state = self.programs.init_state()
+
+    def restore_or_init(
+        self, checkpointer: checkpoint.Checkpointer | None
+    ) -> tuple[int, checkpoint.Checkpointer | None]:
+        """Resume from the newest checkpoint that restores, else initialise (optionally from
+        init_from). Returns the step training starts at and the checkpointer to save with."""
+        cfg = self.config
+        if checkpointer is not None and cfg.checkpoint.restart_from_scratch and checkpointer.steps():
+            aside = checkpointer.move_all_aside()
+            self.log(f"restart_from_scratch: moved the earlier checkpoints to {aside}; starting at step 0")
+            checkpointer = checkpoint.Checkpointer(str(checkpointer.directory), cfg.checkpoint, self.log)
+        if checkpointer is not None:
+            restored = checkpointer.restore_latest(self.programs.sharded_abstract_state(), cfg)
+            if restored is not None:
+                self._check_resume(restored, checkpointer)
+                self.state = restored.state
+                self.log(f"resuming from checkpoint {checkpointer.directory}/{restored.step} (step {restored.step})")
+                return restored.step, checkpointer
+        self.init_state()
+        if cfg.init_from:
+            params = trained.load_params(cfg.init_from, self.programs.sharded_abstract_state().params, cfg, self.log)
+            self.state = self.state.replace(params=params)
+        return 0, checkpointer
+
+    def _check_resume(self, restored: checkpoint.Restored, checkpointer: checkpoint.Checkpointer) -> None:
+        """Refuse a non-finite checkpoint, and config changes that alter the data or the objective."""
+        where = f"{checkpointer.directory}/{restored.step}"
+        if not bool(jax.jit(all_finite)(restored.state)):
+            raise CheckpointError(
+                f"checkpoint {where} holds non-finite values (written by a run that diverged); resume from an "
+                "earlier one by moving this one aside, or start over with --config.checkpoint.restart_from_scratch=True"
+            )
+        free, guarded = workdir.resume_changes(restored.meta.get("config", {}), self.config)
+        for line in free:
+            self.log(f"resume: changed {line}")
+        if guarded and not self.config.checkpoint.allow_resume_changes:
+            for line in guarded:
+                self.log(f"resume: changed {line}")
+            raise ConfigError(
+                f"resuming {where} with a changed {'; '.join(guarded)}: this changes the data order, the objective or "
+                "the schedule mid-run; use the original values, or pass --config.checkpoint.allow_resume_changes=True"
+            )
+        for line in guarded:
+            self.log(f"resume: changed {line} (allowed by checkpoint.allow_resume_changes)")
+
+    # Programs.
+
+    def compile(self) -> dict[str, dict[str, float]]:
+        return self.programs.compile()
+
+    def evaluate(self, state: TrainState | None = None) -> dict[str, float]:
+        """Held-out loss and token accuracy for each K in eval.num_passes."""
+        e = self.config.eval
+        params = (state or self.state).params
+        totals: dict[str, float] = {}
+        batches = self.step_batches("validation", e.batch_size)
+        for i in range(e.num_batches):
+            out = jax.device_get(self.programs.eval(params, self.to_global(batches(i), e.batch_size)))
+            for key, value in out.items():
+                totals[key] = totals.get(key, 0.0) + float(value)
+        results = {}
+        for k in sorted(set(e.num_passes)):
+            results[f"loss_K{k}"] = totals[f"nll_{k}"] / max(totals[f"weight_{k}"], 1e-8)
+            results[f"accuracy_K{k}"] = totals[f"correct_{k}"] / max(totals[f"weight_{k}"], 1e-8)
+        return results
+
+    # The run.
+
+    def train(self, progress: bool = True) -> dict[str, Any]:
+        run_dir = workdir.RunDirectory(self.config.workdir)
+        run_dir.lock()
+        try:
+            return self._train(run_dir, progress)
+        finally:
+            run_dir.unlock()
+
+    def _train(self, run_dir: workdir.RunDirectory, progress: bool) -> dict[str, Any]:
+        cfg = self.config
+        steps, batch_size = cfg.train.steps, cfg.train.batch_size
+        checkpointer = None
+        if cfg.checkpoint.every_steps > 0:
+            directory = cfg.checkpoint.dir or join(cfg.workdir, "checkpoints")
+            checkpointer = checkpoint.Checkpointer(directory, cfg.checkpoint, self.log)
+        start_step, checkpointer = self.restore_or_init(checkpointer)
+        distributed.check_schedule_agreement(self.schedule, start_step, steps)
+        if start_step == 0:
+            run_dir.set_aside_previous_outputs(self.log)
+        run_dir.write_config(cfg, start_step)
+        self._write_process_info(run_dir.local)
+        mesh = self.programs.mesh
+        self.log(
+            f"model: {count_params(self.programs.abstract_state.params):,} parameters; mesh "
+            + " × ".join(f"{a}={n}" for a, n in mesh.shape.items())
+            + f" over {mesh.size} devices in {jax.process_count()} process(es)"
+        )
+        self.log(self.schedule.describe(steps))
+        compile_report = self.compile()
+        writer = MetricsWriter(run_dir.local, resume_step=start_step)
+        saver = hooks.CheckpointSaver(checkpointer, cfg, run_dir, self.log) if checkpointer is not None else None
+        logger = hooks.MetricsLogger(
+            writer,
+            cfg.train.log_every,
+            steps,
+            start_step,
+            progress,
+            saved_steps=saver.checkpointer.steps if saver else list,
+            also_at=saver.saves if saver else lambda end: False,
+        )
+        run_hooks: list[hooks.Hook] = [logger, saver] if saver else [logger]
+        evaluator = None
+        if self.programs.eval is not None:
+            evaluator = hooks.Evaluator(self.evaluate, writer, cfg.eval.every_steps)
+            run_hooks.append(evaluator)
+        d = cfg.data
+        local_batches = batch_iterator(self.step_batches("train", batch_size), start_step, d.num_workers, d.prefetch)
+        global_batches = (self.to_global(rows, batch_size) for rows in local_batches)
+        preemption = hooks.PreemptionWatcher(checkpointer)
+        start_time = time.perf_counter()
+        failed = True
+        try:
+            self.state = run_steps(
+                self.state,
+                self.programs.train,
+                self.schedule,
+                global_batches,
+                start_step,
+                steps,
+                batch_size * d.seq_len,
+                run_hooks,
+                preemption.should_stop,
+            )
+            if start_step >= steps and evaluator:
+                evaluator.results = self.evaluate()  # resumed a finished run: report its eval again
+            failed = False
+        finally:
+            preemption.close()
+            for hook in run_hooks:
+                hooks.finish(lambda hook=hook: hook.close(failed), failed, self.log)
+            writer.close()
+            if hasattr(local_batches, "close"):
+                local_batches.close()  # stops prefetch threads / worker processes
+            hooks.finish(run_dir.sync, failed, self.log)
+        summary = {
+            "steps": steps,
+            "start_step": start_step,
+            "train_seconds": time.perf_counter() - start_time,
+            "compile": compile_report,
+            "eval": evaluator.results if evaluator else {},
+            "realised_mixture": self.schedule.realised_mixture(0, steps),
+            "outputs": {
+                "workdir": cfg.workdir,
+                "metrics": join(cfg.workdir, "metrics.jsonl"),
+                "eval": join(cfg.workdir, "eval.jsonl"),
+                "tensorboard": join(cfg.workdir, "tensorboard"),
+                "config": join(cfg.workdir, "config.json"),
+                "checkpoints": str(checkpointer.directory) if checkpointer is not None else "",
+            },
+        }
+        if jax.process_index() == 0:
+            with open(run_dir.path("summary.json"), "w", encoding="utf-8") as f:
+                json.dump(summary, f, indent=2)
+            run_dir.sync()
+        return summary
+
+    def _write_process_info(self, local_workdir: str) -> None:
+        """Each process records where it runs and which rows of every batch it loads."""
+        directory = os.path.join(local_workdir, "processes")
+        os.makedirs(directory, exist_ok=True)
+        info = {
+            "process_index": jax.process_index(),
+            "process_count": jax.process_count(),
+            "hostname": socket.gethostname(),
+            "local_devices": [str(d) for d in jax.local_devices()],
+            "train_rows": self.process_rows(self.config.train.batch_size),
+        }
+        with open(os.path.join(directory, f"process_{jax.process_index()}.json"), "w", encoding="utf-8") as f:
+            json.dump(info, f, indent=2)
+
+
+def join(base: str, name: str) -> str:
+    return f"{base.rstrip('/')}/{name}" if paths.is_url(base) else os.path.join(base, name)

@@ -1,0 +1,137 @@
+"""Reading a trained run, read-only: its model (for fbt-decode, fbt-eval) or its parameters only
+(for `init_from`), from the newest of its checkpoints that restores.
+
+A run is given by its workdir or its checkpoint directory, local or `gs://`. These are another
+run's files: nothing here moves, renames or writes a checkpoint, whatever fails to restore.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+from etils import epath
+from flax import nnx
+
+from fbt_jax.checkpoint import check_compatible
+from fbt_jax.config import default_config
+from fbt_jax.errors import CheckpointError, ConfigError, describe
+from fbt_jax.model import ModelConfig, abstract_model
+
+
+def load_model(path: str, log: Any = print, flag: str = "--checkpoint") -> tuple[Any, ml_collections.ConfigDict]:
+    """The model of a run (its workdir or checkpoint directory) with its newest parameters that
+    restore, built from the config recorded in that checkpoint; for decoding and evaluation."""
+    one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    def restore(manager: ocp.CheckpointManager, step: int) -> tuple[Any, ml_collections.ConfigDict]:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        config = _config_from_record(meta["config"])
+        model = abstract_model(ModelConfig.from_config(config.model))
+        graphdef, abstract = nnx.split(model, nnx.Param)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device), abstract)
+        params = _restore_params(manager, step, abstract)
+        return nnx.merge(graphdef, params), config
+
+    return _newest_that_restores(path, flag, restore, log, "loaded")
+
+
+def load_params(path: str, abstract_params: Any, config: ml_collections.ConfigDict, log: Any = print) -> Any:
+    """Parameters only (no optimizer state, no step) of the newest checkpoint under `path` (a run's
+    workdir or its checkpoint directory) that restores, for `init_from`."""
+
+    def restore(manager: ocp.CheckpointManager, step: int) -> Any:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        check_compatible(
+            meta,
+            config,
+            f"{manager.directory}/{step}",
+            fix="init_from needs the same model: set the model fields to that run's values, or choose another run",
+        )
+        return _restore_params(manager, step, abstract_params)
+
+    return _newest_that_restores(path, "--config.init_from", restore, log, "initialised parameters from")
+
+
+def _restore_params(manager: ocp.CheckpointManager, step: int, abstract_params: Any) -> Any:
+    item = {"params": abstract_params}
+    state = manager.restore(
+        step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(item=item, partial_restore=True))
+    )["state"]
+    return state["params"]
+
+
+def _newest_that_restores(path: str, flag: str, restore: Any, log: Any, done: str) -> Any:
+    """`restore(manager, step)` for the newest step that restores, read-only (never moves a
+    checkpoint: these are other runs' files). Newer ones that failed are reported."""
+    directory = _run_checkpoints(path, flag)
+    # Reading another run's checkpoints read-only makes orbax warn that it is read-only and that
+    # the params-only restore reads shardings from the files: both expected here.
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message="Sharding info not provided when restoring")
+    try:
+        manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False, read_only=True))
+    except Exception as err:
+        raise ConfigError(
+            f"{flag}={path!r} cannot be read ({describe(err)}); check the path and its permissions"
+        ) from None
+    failures: list[tuple[int, Exception]] = []
+    try:
+        for step in sorted(manager.all_steps(), reverse=True):
+            try:
+                result = restore(manager, step)
+            except ConfigError:
+                raise  # another model: the user's to fix, whatever the other checkpoints hold
+            except Exception as err:
+                failures.append((step, err))
+                continue
+            for failed, err in failures:
+                log(f"warning: skipped checkpoint {directory}/{failed}, which does not restore ({describe(err)})")
+            log(f"{done} {directory}/{step}")
+            return result
+    finally:
+        manager.close()
+    if failures:
+        step, err = failures[0]
+        raise CheckpointError(
+            f"{flag}={path!r}: none of its {len(failures)} checkpoint(s) restores (newest, step {step}: "
+            f"{describe(err)}); nothing was changed. Check that it is a complete run of this fbt-jax version, "
+            f"or point {flag} at another run"
+        )
+    raise ConfigError(f"{flag}={path!r} holds no checkpoint; train with --config.checkpoint.every_steps > 0 first")
+
+
+def _run_checkpoints(path: str, flag: str) -> epath.Path:
+    """The checkpoint directory of a run given by its workdir or by the directory itself."""
+    root = epath.Path(path)
+    try:
+        directory = root / "checkpoints" if (root / "checkpoints").is_dir() else root
+        exists = directory.is_dir()
+    except Exception as err:
+        raise ConfigError(
+            f"{flag}={path!r} cannot be read ({describe(err)}); check the path and its permissions"
+        ) from None
+    if not exists:
+        raise ConfigError(f"{flag}={path!r} is not a directory; give a run's workdir or its checkpoints directory")
+    return directory
+
+
+def _config_from_record(record: dict[str, Any]) -> ml_collections.ConfigDict:
+    """A full config from the JSON a checkpoint recorded (defaults for fields added since)."""
+    config = default_config()
+
+    def apply(section: ml_collections.ConfigDict, values: dict[str, Any]) -> None:
+        for key, value in values.items():
+            if key not in section:
+                continue
+            if isinstance(section[key], ml_collections.ConfigDict):
+                apply(section[key], value)
+            else:
+                section[key] = tuple(value) if isinstance(section[key], tuple) else value
+
+    apply(config, record)
+    return config
