@@ -71,6 +71,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.steps = 1000
     c.train.batch_size = 32
     c.train.log_every = 10
+    c.train.stop_at_step = 0  # >0: stop (with a checkpoint) after this step; the schedule still spans train.steps
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.learning_rate = 3e-3
@@ -108,6 +109,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.checkpoint.restart_from_scratch = False  # start at step 0 even if checkpoints exist (they are kept aside)
     c.checkpoint.allow_resume_changes = False  # resume although the data, schedule, seed or batch changed
     c.init_from = ""  # a run (workdir or checkpoint dir) to take initial parameters from
+    c.fork_from = ""  # a trunk run whose whole train state this run continues (sweeps)
 
     c.dry_run = False
     c.dry_run_devices = 0  # >0: simulate this many CPU devices for the dry run (a pod-sized mesh)
@@ -203,6 +205,15 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
         isinstance(t.batch_size, int) and t.batch_size >= 1,
         f"train.batch_size={t.batch_size!r} must be a positive integer",
     )
+    _require(
+        isinstance(t.stop_at_step, int) and 0 <= t.stop_at_step <= t.steps,
+        f"train.stop_at_step={t.stop_at_step!r} must be in [0, train.steps={t.steps}]; 0 runs to train.steps",
+    )
+    _require(
+        not t.stop_at_step or config.checkpoint.every_steps > 0,
+        f"train.stop_at_step={t.stop_at_step} stops a run to continue it later, which needs checkpoints; "
+        "set checkpoint.every_steps > 0",
+    )
     rules = parse_rules(config.sharding.rules)
     ici, dcn = mesh_shape(config.mesh, num_devices if num_devices is not None else _fixed_mesh_size(config.mesh))
     axis_size = {a: i * d for a, i, d in zip(MESH_AXES, ici, dcn)}
@@ -281,11 +292,18 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     )
     _require(e.every_steps >= 0, f"eval.every_steps={e.every_steps} is negative; use 0 for a final eval only")
     paths.check_config_dirs(config)
-    if config.init_from and not paths.is_url(config.init_from) and not config.dry_run:
-        # Checked here, before the train state is built, not only when it is loaded into it.
-        _require(
-            os.path.isdir(config.init_from),
-            f"--config.init_from={config.init_from!r} is not a directory; give a run's workdir or its checkpoints "
-            "directory, or '' to start from scratch",
-        )
+    _require(
+        not (config.init_from and config.fork_from),
+        "init_from and fork_from are both set; init_from starts a new run from parameters only, fork_from "
+        "continues a trunk's whole train state: keep one",
+    )
+    for field in ("init_from", "fork_from"):
+        path = config[field]
+        if path and not paths.is_url(path) and not config.dry_run:
+            # Checked here, before the train state is built, not only when it is loaded into it.
+            _require(
+                os.path.isdir(path),
+                f"--config.{field}={path!r} is not a directory; give a run's workdir or its checkpoints "
+                "directory, or '' to start from scratch",
+            )
     return schedule

@@ -89,6 +89,7 @@ CONFIG_PATH_FIELDS = (
     ("workdir", True),
     ("checkpoint.dir", True),
     ("init_from", True),
+    ("fork_from", True),
     ("data.path", True),
     ("data.cache_dir", False),  # prepared records are read through the local file system
     ("data.tfds_data_dir", True),

@@ -1,5 +1,6 @@
-"""Reading a trained run, read-only: its model (for fbt-decode, fbt-eval) or its parameters only
-(for `init_from`), from the newest of its checkpoints that restores.
+"""Reading a trained run, read-only: its model (for fbt-decode, fbt-eval), its parameters only
+(for `init_from`) or its whole train state (for `fork_from`), from the newest of its checkpoints
+that restores.
 
 A run is given by its workdir or its checkpoint directory, local or `gs://`. These are another
 run's files: nothing here moves, renames or writes a checkpoint, whatever fails to restore.
@@ -17,10 +18,12 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
-from fbt_jax.checkpoint import check_compatible
+from fbt_jax import workdir
+from fbt_jax.checkpoint import check_compatible, state_layout
 from fbt_jax.config import default_config
 from fbt_jax.errors import CheckpointError, ConfigError, describe
 from fbt_jax.model import ModelConfig, abstract_model
+from fbt_jax.schedule import PassSchedule
 
 
 def load_model(path: str, log: Any = print, flag: str = "--checkpoint") -> tuple[Any, ml_collections.ConfigDict]:
@@ -55,6 +58,42 @@ def load_params(path: str, abstract_params: Any, config: ml_collections.ConfigDi
         return _restore_params(manager, step, abstract_params)
 
     return _newest_that_restores(path, "--config.init_from", restore, log, "initialised parameters from")
+
+
+def load_state(path: str, abstract_state: Any, config: ml_collections.ConfigDict, log: Any = print) -> tuple[Any, int]:
+    """The whole train state (parameters, optimizer state, step) of the newest checkpoint of a trunk
+    run that restores, and its step, for `fork_from`: the fork continues exactly where the trunk
+    stopped. The trunk's config must equal this run's but for fields that do not change training,
+    and its pass schedule must draw the same K at every step before the fork (ConfigError)."""
+
+    def restore(manager: ocp.CheckpointManager, step: int) -> tuple[Any, int]:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        where = f"{manager.directory}/{step}"
+        fix = "a fork must be the trunk's config with another pass schedule; fork from a matching trunk"
+        check_compatible(meta, config, where, state_layout(abstract_state), fix=fix)
+        changed = workdir.fork_changes(meta["config"], config)
+        if changed:
+            raise ConfigError(f"--config.fork_from: the trunk {where} differs in {'; '.join(changed)}; {fix}")
+        check_same_passes(meta["config"], config, step, where)
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+        return manager.restore(step, args=args)["state"], step
+
+    return _newest_that_restores(path, "--config.fork_from", restore, log, "forked from")
+
+
+def check_same_passes(trunk: dict[str, Any], config: ml_collections.ConfigDict, fork_step: int, where: str) -> None:
+    """ConfigError unless the trunk's schedule drew the K this run's draws at every step before
+    `fork_step` (K is a function of (seed, step), so the two runs then trained identically)."""
+    steps, seed = config.train.steps, config.seed
+    ours = PassSchedule.parse(config.passes.schedule, steps, seed)
+    theirs = PassSchedule.parse(trunk["passes"]["schedule"], steps, seed)
+    for step in range(fork_step):
+        if ours.num_passes(step) != theirs.num_passes(step):
+            raise ConfigError(
+                f"--config.fork_from: the trunk {where} ran K={theirs.num_passes(step)} at step {step}, where this "
+                f"run's passes.schedule draws K={ours.num_passes(step)}; fork from a trunk that stopped before the "
+                "schedules diverge"
+            )
 
 
 def _restore_params(manager: ocp.CheckpointManager, step: int, abstract_params: Any) -> Any:

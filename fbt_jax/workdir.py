@@ -31,6 +31,7 @@ LOCK_NAME = ".fbt-train.lock"
 RESUME_FREE_PREFIXES = (
     "train.steps",
     "train.log_every",
+    "train.stop_at_step",
     "optimizer.",
     "eval.",
     "checkpoint.",
@@ -42,7 +43,24 @@ RESUME_FREE_PREFIXES = (
     "data.cache_dir",
     "model.remat",
 )
-RESUME_IGNORED = ("workdir", "init_from", "dry_run", "dry_run_devices")
+RESUME_IGNORED = ("workdir", "init_from", "fork_from", "dry_run", "dry_run_devices")
+# Config fields in which a fork may differ from its trunk: where outputs go and how the run is
+# laid out, logged and evaluated, none of which changes the trained numbers. The pass schedule
+# may differ too, as long as it draws the same K at every step before the fork.
+FORK_FREE_PREFIXES = (
+    "passes.schedule",
+    "train.log_every",
+    "train.stop_at_step",
+    "eval.",
+    "checkpoint.",
+    "mesh.",
+    "sharding.",
+    "distributed.",
+    "data.num_workers",
+    "data.prefetch",
+    "data.cache_dir",
+    "model.remat",
+)
 
 
 class RunDirectory:
@@ -178,6 +196,19 @@ def resume_changes(saved: dict[str, Any], config: ml_collections.ConfigDict) -> 
         line = f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
         (free if key.startswith(RESUME_FREE_PREFIXES) else guarded).append(line)
     return free, guarded
+
+
+def fork_changes(trunk: dict[str, Any], config: Any) -> list[str]:
+    """The changes from a trunk's recorded config to this run's that a fork does not allow."""
+    old, new = _flatten(trunk), _flatten(json.loads(config.to_json_best_effort()))
+    return [
+        f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
+        for key in sorted(set(old) | set(new))
+        if key in old
+        and key not in RESUME_IGNORED
+        and old.get(key) != new.get(key)
+        and not key.startswith(FORK_FREE_PREFIXES)
+    ]
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -47,6 +47,7 @@ class Trainer:
             )
         self.programs = TrainPrograms(config, self.schedule, devices, self.sources["train"].packed, self.log)
         self.state: TrainState | None = None
+        self.resumed = False  # whether the state came from this run's own checkpoint
 
     # Data: every process loads only the rows of each global batch that its devices hold.
 
@@ -76,8 +77,9 @@ class Trainer:
     def restore_or_init(
         self, checkpointer: checkpoint.Checkpointer | None
     ) -> tuple[int, checkpoint.Checkpointer | None]:
-        """Resume from the newest checkpoint that restores, else initialise (optionally from
-        init_from). Returns the step training starts at and the checkpointer to save with."""
+        """Resume from the newest checkpoint that restores, else continue a trunk (fork_from), else
+        initialise (optionally from init_from). Returns the step training starts at and the
+        checkpointer to save with."""
         cfg = self.config
         if checkpointer is not None and cfg.checkpoint.restart_from_scratch and checkpointer.steps():
             aside = checkpointer.move_all_aside()
@@ -87,9 +89,12 @@ class Trainer:
             restored = checkpointer.restore_latest(self.programs.sharded_abstract_state(), cfg)
             if restored is not None:
                 self._check_resume(restored, checkpointer)
-                self.state = restored.state
+                self.state, self.resumed = restored.state, True
                 self.log(f"resuming from checkpoint {checkpointer.directory}/{restored.step} (step {restored.step})")
                 return restored.step, checkpointer
+        if cfg.fork_from:
+            self.state, step = trained.load_state(cfg.fork_from, self.programs.sharded_abstract_state(), cfg, self.log)
+            return step, checkpointer
         self.init_state()
         if cfg.init_from:
             params = trained.load_params(cfg.init_from, self.programs.sharded_abstract_state().params, cfg, self.log)
@@ -150,14 +155,16 @@ class Trainer:
 
     def _train(self, run_dir: workdir.RunDirectory, progress: bool) -> dict[str, Any]:
         cfg = self.config
-        steps, batch_size = cfg.train.steps, cfg.train.batch_size
+        # The run ends at train.stop_at_step when set (a sweep's trunk); its schedules (learning
+        # rate, passes) still span train.steps, so a later run continues it exactly.
+        steps, batch_size = cfg.train.stop_at_step or cfg.train.steps, cfg.train.batch_size
         checkpointer = None
         if cfg.checkpoint.every_steps > 0:
             directory = cfg.checkpoint.dir or join(cfg.workdir, "checkpoints")
             checkpointer = checkpoint.Checkpointer(directory, cfg.checkpoint, self.log)
         start_step, checkpointer = self.restore_or_init(checkpointer)
         distributed.check_schedule_agreement(self.schedule, start_step, steps)
-        if start_step == 0:
+        if not self.resumed:  # a new run in this workdir (from scratch, init_from or a fork)
             run_dir.set_aside_previous_outputs(self.log)
         run_dir.write_config(cfg, start_step)
         self._write_process_info(run_dir.local)
