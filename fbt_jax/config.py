@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from typing import Any
 
 import ml_collections
 
@@ -307,3 +308,22 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
                 "directory, or '' to start from scratch",
             )
     return schedule
+
+
+def config_from_dict(record: dict[str, Any]) -> ml_collections.ConfigDict:
+    """A full config from a (JSON) record of one: a checkpoint's, or a sweep job's; defaults for
+    fields the record lacks (fields added since it was written), and fields it has that no longer
+    exist are ignored."""
+    config = default_config()
+
+    def apply(section: ml_collections.ConfigDict, values: dict[str, Any]) -> None:
+        for key, value in values.items():
+            if key not in section:
+                continue
+            if isinstance(section[key], ml_collections.ConfigDict):
+                apply(section[key], value)
+            else:
+                section[key] = tuple(value) if isinstance(section[key], tuple) else value
+
+    apply(config, record)
+    return config

@@ -20,7 +20,7 @@ from flax import nnx
 
 from fbt_jax import workdir
 from fbt_jax.checkpoint import check_compatible, state_layout
-from fbt_jax.config import default_config
+from fbt_jax.config import config_from_dict
 from fbt_jax.errors import CheckpointError, ConfigError, describe
 from fbt_jax.model import ModelConfig, abstract_model
 from fbt_jax.schedule import PassSchedule
@@ -33,7 +33,7 @@ def load_model(path: str, log: Any = print, flag: str = "--checkpoint") -> tuple
 
     def restore(manager: ocp.CheckpointManager, step: int) -> tuple[Any, ml_collections.ConfigDict]:
         meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        config = _config_from_record(meta["config"])
+        config = config_from_dict(meta["config"])
         model = abstract_model(ModelConfig.from_config(config.model))
         graphdef, abstract = nnx.split(model, nnx.Param)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device), abstract)
@@ -157,20 +157,3 @@ def _run_checkpoints(path: str, flag: str) -> epath.Path:
     if not exists:
         raise ConfigError(f"{flag}={path!r} is not a directory; give a run's workdir or its checkpoints directory")
     return directory
-
-
-def _config_from_record(record: dict[str, Any]) -> ml_collections.ConfigDict:
-    """A full config from the JSON a checkpoint recorded (defaults for fields added since)."""
-    config = default_config()
-
-    def apply(section: ml_collections.ConfigDict, values: dict[str, Any]) -> None:
-        for key, value in values.items():
-            if key not in section:
-                continue
-            if isinstance(section[key], ml_collections.ConfigDict):
-                apply(section[key], value)
-            else:
-                section[key] = tuple(value) if isinstance(section[key], tuple) else value
-
-    apply(config, record)
-    return config

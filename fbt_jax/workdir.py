@@ -198,17 +198,20 @@ def resume_changes(saved: dict[str, Any], config: ml_collections.ConfigDict) -> 
     return free, guarded
 
 
+def trajectory_fields(record: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a (JSON) config that decide the trained numbers up to a fork step: all but
+    outputs, logging, evaluation and layout (FORK_FREE_PREFIXES, RESUME_IGNORED)."""
+    return {
+        key: value
+        for key, value in _flatten(record).items()
+        if key not in RESUME_IGNORED and not key.startswith(FORK_FREE_PREFIXES)
+    }
+
+
 def fork_changes(trunk: dict[str, Any], config: Any) -> list[str]:
     """The changes from a trunk's recorded config to this run's that a fork does not allow."""
-    old, new = _flatten(trunk), _flatten(json.loads(config.to_json_best_effort()))
-    return [
-        f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
-        for key in sorted(set(old) | set(new))
-        if key in old
-        and key not in RESUME_IGNORED
-        and old.get(key) != new.get(key)
-        and not key.startswith(FORK_FREE_PREFIXES)
-    ]
+    old, new = trajectory_fields(trunk), trajectory_fields(json.loads(config.to_json_best_effort()))
+    return [f"{key}: {old[key]!r} -> {new.get(key)!r}" for key in sorted(old) if old[key] != new.get(key)]
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -85,8 +85,9 @@ class TrainPrograms:
             dtypes |= {"segment_ids": jnp.int32, "positions": jnp.int32}
         return {k: jax.ShapeDtypeStruct(shape, dt, sharding=self.batch_sharding) for k, dt in dtypes.items()}
 
-    def compile(self) -> dict[str, dict[str, float]]:
-        """Compile the train program of every K the schedule can draw, and the eval program.
+    def compile(self, pass_counts: tuple[int, ...] | None = None) -> dict[str, dict[str, float]]:
+        """Compile the train program of every K in `pass_counts` (default: every K the schedule can
+        draw), and the eval program.
 
         Returns per program its compile time and, where the backend reports it, the per-device
         memory of the compiled program.
@@ -95,7 +96,7 @@ class TrainPrograms:
         abstract_state = self.sharded_abstract_state()
         replicated = sharding.replicated(self.mesh)
         settings = step_settings(self.config)
-        for k in self.schedule.pass_counts:
+        for k in self.schedule.pass_counts if pass_counts is None else pass_counts:
             step_fn = functools.partial(
                 train_step,
                 graphdef=self.graphdef,

@@ -124,8 +124,8 @@ class Trainer:
 
     # Programs.
 
-    def compile(self) -> dict[str, dict[str, float]]:
-        return self.programs.compile()
+    def compile(self, pass_counts: tuple[int, ...] | None = None) -> dict[str, dict[str, float]]:
+        return self.programs.compile(pass_counts)
 
     def evaluate(self, state: TrainState | None = None) -> dict[str, float]:
         """Held-out loss and token accuracy for each K in eval.num_passes."""
@@ -175,7 +175,8 @@ class Trainer:
             + f" over {mesh.size} devices in {jax.process_count()} process(es)"
         )
         self.log(self.schedule.describe(steps))
-        compile_report = self.compile()
+        # Only the Ks this run still draws: a sweep's K = 1 trunk compiles one train program.
+        compile_report = self.compile(tuple(sorted({self.schedule.num_passes(s) for s in range(start_step, steps)})))
         writer = MetricsWriter(run_dir.local, resume_step=start_step)
         saver = hooks.CheckpointSaver(checkpointer, cfg, run_dir, self.log) if checkpointer is not None else None
         logger = hooks.MetricsLogger(

@@ -1,0 +1,150 @@
+"""A sweep spec, and the runs it expands to.
+
+A spec is a Python file with `get_sweep()` returning a dict (config fields are dotted names):
+
+    base       the run config file every run starts from (relative to the spec file)
+    overrides  {field: value} applied to every run
+    grid       {field: [values]} or {field: {label: value}}: every combination is a run
+    runs       optional [{field: value, "name": label}]: crossed with the grid
+    seeds      optional [seeds]: shorthand for a `seed` axis of the grid
+
+A run's name is made of its labels in spec order ("schedule=k12,seed=1"), so names are stable
+across reruns and readable in tables. `Run.config` is the full, validated run config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import itertools
+import json
+import os
+import re
+from typing import Any
+
+import ml_collections
+
+from fbt_jax.config import validate_config
+from fbt_jax.errors import ConfigError
+
+SPEC_FIELDS = ("name", "base", "overrides", "grid", "runs", "seeds")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    name: str
+    overrides: dict[str, Any]  # the fields this run sets beyond the base and the common overrides
+    labels: dict[str, str]  # axis → label, for names and tables
+    config: ml_collections.ConfigDict
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    name: str
+    spec_path: str
+    runs: list[Run]
+    digest: str  # of every run's full config: a sweep directory belongs to one spec
+
+
+def load_python(path: str, function: str, what: str) -> Any:
+    """`function()` of the Python file at `path`; ConfigError naming `what` if it cannot be loaded."""
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"{what} {path} does not exist; give the path of a Python file, e.g. configs/sweeps/tiny_mixtures.py"
+        )
+    spec = importlib.util.spec_from_file_location(f"fbt_{what.replace(' ', '_')}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        raise ConfigError(f"{what} {path} does not load ({type(err).__name__}: {err})") from None
+    if not hasattr(module, function):
+        raise ConfigError(f"{what} {path} defines no {function}(); add one that returns the {what}")
+    try:
+        return getattr(module, function)()
+    except Exception as err:
+        raise ConfigError(f"{what} {path}: {function}() failed ({type(err).__name__}: {err})") from None
+
+
+def load_sweep(path: str) -> Sweep:
+    """Expand and validate the sweep spec at `path` (every run's config is validated)."""
+    path = os.path.abspath(path)
+    spec = load_python(path, "get_sweep", "sweep spec")
+    if not isinstance(spec, dict):
+        raise ConfigError(f"sweep spec {path}: get_sweep() must return a dict, not {type(spec).__name__}")
+    unknown = set(spec.keys()) - set(SPEC_FIELDS)
+    if unknown:
+        raise ConfigError(f"sweep spec {path}: unknown field(s) {sorted(unknown)}; a spec has {', '.join(SPEC_FIELDS)}")
+    name = spec.get("name") or os.path.splitext(os.path.basename(path))[0]
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise ConfigError(f"sweep name {name!r} may hold only letters, digits, '_', '.' and '-'")
+    base_path = os.path.normpath(os.path.join(os.path.dirname(path), spec.get("base", "")))
+    axes = _axes(spec, path)
+    listed = []
+    for i, entry in enumerate(spec.get("runs", None) or [{}]):
+        fields = dict(entry)
+        listed.append((str(fields.pop("name", f"run{i}")), fields))
+    runs: list[Run] = []
+    for (run_label, fields), combination in itertools.product(listed, itertools.product(*[v for _, v in axes])):
+        labels = {"run": run_label} if spec.get("runs") else {}
+        overrides = dict(fields)
+        for (field, _), (label, value) in zip(axes, combination):
+            labels[field.split(".")[-1]] = label
+            overrides[field] = value
+        run_name = ",".join(f"{axis}={label}" for axis, label in labels.items())
+        config = load_python(base_path, "get_config", "run config")
+        for field, value in {**dict(spec.get("overrides", {}) or {}), **overrides}.items():
+            _set(config, field, value, path)
+        try:
+            validate_config(config)
+        except ConfigError as err:
+            raise ConfigError(f"sweep run {run_name}: {err}") from None
+        runs.append(Run(run_name, overrides, labels, config))
+    names = [r.name for r in runs]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ConfigError(
+            f"sweep spec {path}: run names {duplicates} occur twice; give each listed run or value its own label"
+        )
+    text = json.dumps([[r.name, json.loads(r.config.to_json_best_effort())] for r in runs], sort_keys=True)
+    return Sweep(name, path, runs, hashlib.blake2b(text.encode(), digest_size=12).hexdigest())
+
+
+def _axes(spec: dict[str, Any], path: str) -> list[tuple[str, list[tuple[str, Any]]]]:
+    """The grid as [(field, [(label, value), ...]), ...], seeds last."""
+    grid = dict(spec.get("grid", {}) or {})
+    if spec.get("seeds"):
+        grid["seed"] = list(spec["seeds"])
+    if not grid and not spec.get("runs"):
+        raise ConfigError(f"sweep spec {path} has an empty grid and no runs; give grid values or a list of runs")
+    axes = []
+    for field, values in grid.items():
+        items = list(values.items()) if hasattr(values, "items") else [(_label(v), v) for v in values]
+        if not items:
+            raise ConfigError(f"sweep spec {path}: grid field {field!r} has no values; give at least one")
+        axes.append((field, items))
+    return axes
+
+
+def _label(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else value
+    return re.sub(r"[^A-Za-z0-9_.+-]+", "_", text).strip("_")[:40] or "empty"
+
+
+def _set(config: ml_collections.ConfigDict, field: str, value: Any, path: str) -> None:
+    *sections, key = field.split(".")
+    node = config
+    for section in sections:
+        if section not in node or not isinstance(node[section], ml_collections.ConfigDict):
+            raise ConfigError(f"sweep spec {path}: unknown config field {field!r}")
+        node = node[section]
+    if key not in node or isinstance(node[key], ml_collections.ConfigDict):
+        raise ConfigError(f"sweep spec {path}: unknown config field {field!r}")
+    current = node[key]
+    if isinstance(current, tuple) and isinstance(value, list):
+        value = tuple(value)
+    try:
+        node[key] = value
+    except TypeError as err:
+        raise ConfigError(f"sweep spec {path}: {field}={value!r} has the wrong type ({err})") from None
