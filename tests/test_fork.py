@@ -7,7 +7,7 @@ import os
 import jax
 import numpy as np
 import pytest
-from test_config import load_config
+from conftest import load_config
 
 from fbt_jax.errors import ConfigError
 from fbt_jax.train.trainer import Trainer

@@ -89,6 +89,11 @@ def load_sweep(path: str) -> Sweep:
     for (run_label, fields), combination in itertools.product(listed, itertools.product(*[v for _, v in axes])):
         labels = {"run": run_label} if spec.get("runs") else {}
         overrides = dict(fields)
+        clash = sorted(set(fields) & {field for field, _ in axes})
+        if clash:
+            raise ConfigError(
+                f"sweep spec {path}: run {run_label!r} sets {clash}, which the grid sweeps; set it in one place"
+            )
         for (field, _), (label, value) in zip(axes, combination):
             labels[field.split(".")[-1]] = label
             overrides[field] = value

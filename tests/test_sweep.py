@@ -1,0 +1,202 @@
+"""fbt-sweep: specs expand to stably named runs, runs that share a schedule prefix share trunks,
+bad specs are one line, a killed sweep resumes to the same numbers without retraining what was
+done, and the report gathers every run (issue #11)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import ROOT, cpu_env, read_jsonl
+
+from fbt_jax.errors import ConfigError
+from fbt_jax.sweep import executors
+from fbt_jax.sweep.plan import pass_counts, plan
+from fbt_jax.sweep.spec import load_sweep
+from fbt_jax.sweep.state import SweepDirectory
+
+TINY_MIXTURES = os.path.join(ROOT, "configs", "sweeps", "tiny_mixtures.py")
+SMALL = """
+def get_sweep():
+    return {{
+        "base": {base!r},
+        "overrides": {{"train.steps": 24, "train.log_every": 4, "train.batch_size": 8, "checkpoint.every_steps": 4,
+                      "eval.every_steps": 8, "eval.num_batches": 1, "eval.batch_size": 8,
+                      "optimizer.warmup_steps": 2}},
+        "grid": {{"passes.schedule": {{"k1": "0:1", "k12": "0:1; 0.5:2", "heavy": "0:1; 0.25:2=0.5,3=0.5"}}}},
+        {extra}
+    }}
+"""
+
+
+def write_spec(tmp_path, name="small", extra=""):
+    text = SMALL.format(base=os.path.join(ROOT, "configs", "tiny.py"), extra=extra)
+    path = tmp_path / f"{name}.py"
+    path.write_text(text)
+    return str(path)
+
+
+def sweep_command(*args):
+    return [sys.executable, "-m", "fbt_jax.sweep.cli", *args], cpu_env(1)
+
+
+def test_a_spec_expands_to_every_combination_with_stable_names():
+    sweep = load_sweep(TINY_MIXTURES)
+    names = [run.name for run in sweep.runs]
+    assert len(names) == 8 and len(set(names)) == 8
+    assert "schedule=paper,seed=1" in names
+    paper = next(r for r in sweep.runs if r.name == "schedule=paper,seed=1")
+    assert paper.config.passes.schedule == "0:1; 0.75:2=0.88,3=0.12" and paper.config.seed == 1
+    assert paper.config.train.steps == 2000  # the spec's common overrides
+    assert load_sweep(TINY_MIXTURES).digest == sweep.digest
+
+
+def test_runs_share_trunks_up_to_the_step_where_their_passes_differ(tmp_path):
+    sweep = load_sweep(TINY_MIXTURES)
+    jobs = plan(sweep, str(tmp_path))
+    by_name = {job.name: job for job in jobs}
+    trunks = [job for job in jobs if job.kind == "trunk"]
+    assert len(trunks) == 4  # per seed: [0, 1000) for all four, [1000, 1500) for the three that wait
+    for run in sweep.runs:
+        chain, job = [], by_name[run.name]
+        while job.parent:
+            job = by_name[job.parent]
+            chain.append(job)
+        ks = pass_counts(run.config)
+        for trunk in chain:  # a run's trunks drew exactly its K at every step they trained
+            assert np.array_equal(pass_counts(trunk.config)[: trunk.end], ks[: trunk.end])
+            assert trunk.config.train.stop_at_step == trunk.end
+        assert by_name[run.name].start == (chain[0].end if chain else 0)
+    assert [j.parent for j in jobs].index(None) == 0 and all(
+        jobs.index(by_name[j.parent]) < jobs.index(j) for j in jobs if j.parent
+    )
+    steps_trained = sum(job.end - job.start for job in jobs)
+    assert steps_trained == 2 * (1000 + 500 + 3 * 500 + 1000)  # vs 8 × 2000 without sharing
+
+
+@pytest.mark.parametrize(
+    "extra, pattern",
+    [
+        ('"seeds": [0], "oops": 1', r"unknown field\(s\) \['oops'\]"),
+        ('"seeds": [0], "runs": [{"name": "a", "train.stepz": 3}]', r"unknown config field 'train.stepz'"),
+        ('"seeds": [0], "runs": [{"name": "a"}, {"name": "a"}]', r"occur twice"),
+    ],
+)
+def test_a_bad_spec_is_one_clear_error(tmp_path, extra, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_sweep(write_spec(tmp_path, extra=extra))
+
+
+def test_a_mixture_that_does_not_sum_to_one_names_the_run(tmp_path):
+    spec = tmp_path / "mixture.py"
+    base = os.path.join(ROOT, "configs", "tiny.py")
+    spec.write_text(
+        f"def get_sweep():\n    return {{'base': {base!r}, 'seeds': [0], "
+        "'runs': [{'name': 'bad', 'passes.schedule': '0:1=0.5,2=0.4'}]}\n"
+    )
+    with pytest.raises(ConfigError, match=r"sweep run run=bad,seed=0: .*passes.schedule"):
+        load_sweep(str(spec))
+
+
+def test_a_run_that_sets_a_swept_field_is_refused(tmp_path):
+    spec = write_spec(tmp_path, extra='"runs": [{"name": "a", "passes.schedule": "0:1"}]')
+    with pytest.raises(ConfigError, match=r"run 'a' sets \['passes.schedule'\], which the grid sweeps"):
+        load_sweep(spec)
+
+
+def test_an_empty_grid_is_refused(tmp_path):
+    spec = tmp_path / "empty.py"
+    spec.write_text(
+        f"def get_sweep():\n    return {{'base': {os.path.join(ROOT, 'configs', 'tiny.py')!r}, 'grid': {{}}}}\n"
+    )
+    with pytest.raises(ConfigError, match="empty grid"):
+        load_sweep(str(spec))
+
+
+def test_a_sweep_directory_of_another_spec_is_refused_and_left_alone(tmp_path):
+    sweep = load_sweep(write_spec(tmp_path, extra='"seeds": [0]'))
+    directory = SweepDirectory(str(tmp_path / "dir"), sweep.name)
+    directory.write(sweep, plan(sweep, directory.directory))
+    before = open(directory.path("sweep.json")).read()
+    other = load_sweep(write_spec(tmp_path, name="small", extra='"seeds": [1]'))
+    command, env = sweep_command("run", write_spec(tmp_path, extra='"seeds": [1]'), f"--dir={directory.directory}")
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("fbt-sweep: config error: sweep directory")
+    assert "Traceback" not in result.stderr and open(directory.path("sweep.json")).read() == before
+    with pytest.raises(ConfigError, match="of another spec"):
+        directory.check_same_spec(other)
+
+
+def test_print_lists_parents_first_and_slurm_chains_levels(tmp_path):
+    sweep = load_sweep(write_spec(tmp_path, extra='"seeds": [0]'))
+    directory = SweepDirectory(str(tmp_path / "dir"), sweep.name)
+    jobs = plan(sweep, directory.directory)
+    directory.write(sweep, jobs)
+    text = executors.print_commands(directory, jobs, "tpu_pod", ("my-tpu", "us-east5-a"))
+    commands = [line for line in text.splitlines() if not line.startswith("#")]
+    assert len(commands) == len(jobs) and all("launch/tpu_pod.sh my-tpu us-east5-a --config=" in c for c in commands)
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "sbatch").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/sbatch.log\necho $$\n')
+    os.chmod(fake / "sbatch", 0o755)
+    old_path = os.environ["PATH"]
+    os.environ["PATH"] = f"{fake}:{old_path}"
+    try:
+        scripts = executors.write_slurm(directory, jobs, ("--partition=gpu",), submit=True, log=lambda *_: None)
+    finally:
+        os.environ["PATH"] = old_path
+    assert len(scripts) == len(executors.levels(jobs)) >= 2
+    calls = (tmp_path / "sbatch.log").read_text().splitlines()
+    assert len(calls) == len(scripts) and "--dependency" not in calls[0]
+    assert all("--dependency=afterok:" in call and "--partition=gpu" in call for call in calls[1:])
+    assert "#SBATCH --array=0-" in open(scripts[0]).read()
+
+
+def eval_lines(directory, run):
+    return read_jsonl(os.path.join(directory, "runs", run), "eval.jsonl")
+
+
+@pytest.mark.slow
+def test_a_killed_sweep_resumes_to_the_same_numbers_and_reports(tmp_path):
+    spec = write_spec(tmp_path, extra='"seeds": [0]')
+    command, env = sweep_command("run", spec, f"--dir={tmp_path / 'whole'}")
+    assert subprocess.run(command, env=env, capture_output=True, text=True, timeout=900).returncode == 0
+
+    interrupted = tmp_path / "killed"
+    command, env = sweep_command("run", spec, f"--dir={interrupted}")
+    driver = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    deadline = time.time() + 600
+    while time.time() < deadline:  # kill everything once the first fork is under way
+        logs = [p for p in os.listdir(interrupted / "logs")] if (interrupted / "logs").exists() else []
+        if any(name.startswith("schedule=") and name.endswith(".log") for name in logs):
+            time.sleep(4)
+            break
+        time.sleep(0.5)
+    os.killpg(driver.pid, signal.SIGKILL)  # the driver and every job it started, without warning
+    driver.wait()
+    trunk_attempts = {
+        p: open(interrupted / "logs" / p).read() for p in os.listdir(interrupted / "logs") if p.endswith(".attempts")
+    }
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for name, attempts in trunk_attempts.items():  # finished jobs were not run again
+        assert open(interrupted / "logs" / name).read() == attempts
+    for run in ("schedule=k1,seed=0", "schedule=k12,seed=0", "schedule=heavy,seed=0"):
+        assert eval_lines(interrupted, run) == eval_lines(tmp_path / "whole", run)  # every eval, to the last bit
+
+    command, env = sweep_command("report", f"--dir={interrupted}")
+    report = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stderr
+    rows = open(interrupted / "results.csv").read().splitlines()
+    assert len(rows) == 4 and rows[0].startswith("run,label.schedule")
+    table = open(interrupted / "results.md").read()
+    assert "| schedule=heavy | 1 |" in table and "loss_K3" in table
+    for plot in ("loss_vs_tokens.png", "final_vs_mixture.png"):
+        assert open(interrupted / "plots" / plot, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert len(os.listdir(interrupted / "tensorboard")) == 3
