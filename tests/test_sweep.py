@@ -2,6 +2,7 @@
 bad specs are one line, a killed sweep resumes to the same numbers without retraining what was
 done, and the report gathers every run (issue #11)."""
 
+import json
 import os
 import signal
 import subprocess
@@ -200,3 +201,29 @@ def test_a_killed_sweep_resumes_to_the_same_numbers_and_reports(tmp_path):
     for plot in ("loss_vs_tokens.png", "final_vs_mixture.png"):
         assert open(interrupted / "plots" / plot, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert len(os.listdir(interrupted / "tensorboard")) == 3
+
+
+def test_status_names_each_jobs_state_and_a_failures_last_line(tmp_path):
+    sweep = load_sweep(write_spec(tmp_path, extra='"seeds": [0]'))
+    directory = SweepDirectory(str(tmp_path / "dir"), sweep.name)
+    jobs = plan(sweep, directory.directory)
+    directory.write(sweep, jobs)
+    trunk, failed, resumable = jobs[0], jobs[1], jobs[-1]
+    os.makedirs(trunk.workdir)
+    with open(os.path.join(trunk.workdir, "summary.json"), "w") as f:
+        json.dump({"steps": trunk.end}, f)
+    with open(directory.log_file(failed.name), "w") as f:
+        f.write(
+            "compiled train step K=1\nfbt-train: checkpoint error: saving checkpoint 8 failed (OSError: disk full)\n"
+        )
+    directory.record_exit(failed.name, 5, 12.5)
+    os.makedirs(os.path.join(resumable.workdir, "checkpoints", "8"))
+    states = {job.name: directory.status(job) for job in jobs}
+    assert states[trunk.name].state == "done"
+    assert states[failed.name].state == "failed"
+    assert (
+        states[failed.name].detail
+        == "exit 5: fbt-train: checkpoint error: saving checkpoint 8 failed (OSError: disk full)"
+    )
+    assert states[resumable.name] == type(states[resumable.name])("pending", "resumes from step 8")
+    assert directory.job_seconds(failed.name) == 12.5
