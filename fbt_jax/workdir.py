@@ -25,14 +25,11 @@ from fbt_jax.errors import ConfigError, WorkdirBusy
 LOG_NAMES = ("metrics.jsonl", "eval.jsonl", "summary.json", "config.json", "tensorboard")
 LOCK_NAME = ".fbt-train.lock"
 
-# Config fields that may change when a run resumes, with a note; any other change (the data and
-# its order, the pass schedule and objective, the seed, the batch) needs
-# --config.checkpoint.allow_resume_changes=True, and model changes are refused outright.
-RESUME_FREE_PREFIXES = (
-    "train.steps",
+# Config fields that never change the trained numbers: how a run is logged, evaluated, saved
+# and laid out on devices.
+NEUTRAL_PREFIXES = (
     "train.log_every",
     "train.stop_at_step",
-    "optimizer.",
     "eval.",
     "checkpoint.",
     "mesh.",
@@ -43,24 +40,15 @@ RESUME_FREE_PREFIXES = (
     "data.cache_dir",
     "model.remat",
 )
+# Config fields that may change when a run resumes, with a note: the neutral ones, the length of
+# the run and the optimizer. Any other change (the data and its order, the pass schedule and
+# objective, the seed, the batch) needs --config.checkpoint.allow_resume_changes=True, and model
+# changes are refused outright.
+RESUME_FREE_PREFIXES = ("train.steps", "optimizer.", *NEUTRAL_PREFIXES)
 RESUME_IGNORED = ("workdir", "init_from", "fork_from", "dry_run", "dry_run_devices")
-# Config fields in which a fork may differ from its trunk: where outputs go and how the run is
-# laid out, logged and evaluated, none of which changes the trained numbers. The pass schedule
-# may differ too, as long as it draws the same K at every step before the fork.
-FORK_FREE_PREFIXES = (
-    "passes.schedule",
-    "train.log_every",
-    "train.stop_at_step",
-    "eval.",
-    "checkpoint.",
-    "mesh.",
-    "sharding.",
-    "distributed.",
-    "data.num_workers",
-    "data.prefetch",
-    "data.cache_dir",
-    "model.remat",
-)
+# Config fields in which a fork may differ from its trunk: the neutral ones, and the pass schedule
+# as long as it draws the same K at every step before the fork (checked where the fork restores).
+FORK_FREE_PREFIXES = ("passes.schedule", *NEUTRAL_PREFIXES)
 
 
 class RunDirectory:
