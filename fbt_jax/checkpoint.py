@@ -25,8 +25,9 @@ from etils import epath
 from fbt_jax import paths
 from fbt_jax.errors import CheckpointError, ConfigError, describe
 
-# Fields of `model` that change the parameters' structure or meaning; the rest (remat) may differ.
-RUNTIME_ONLY_MODEL_FIELDS = ("remat",)
+# Fields of `model` that change how the model is computed, not its parameters: they may differ
+# between a checkpoint and the run that restores it.
+RUNTIME_ONLY_MODEL_FIELDS = ("remat", "loss_chunk_size")
 
 
 def model_signature(config: ml_collections.ConfigDict) -> dict[str, Any]:

@@ -191,6 +191,10 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
         _require(m[name] in DTYPES, f"model.{name}={m[name]!r} is unknown; use one of {DTYPES}")
     _require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be positive")
     _require(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be positive")
+    _require(
+        isinstance(m.loss_chunk_size, int) and m.loss_chunk_size >= 0,
+        f"model.loss_chunk_size={m.loss_chunk_size!r} must be a non-negative integer (0: the whole sequence at once)",
+    )
     _require(m.remat in REMAT_POLICIES, f"model.remat={m.remat!r} is unknown; use one of {tuple(REMAT_POLICIES)}")
 
     data_vocab, what = validate_data(config)

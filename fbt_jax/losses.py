@@ -40,16 +40,53 @@ def token_loss(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: jax.Arr
     return mean_loss(*token_nll(logits_BTV, targets_BT, weights_BT))
 
 
-def readout_nll(
-    model: Any, h_BTD: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array
-) -> tuple[jax.Array, jax.Array]:
+def readout_nll(model: Any, h_BTD: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Summed NLL and weight of the model's tied readout of the top states `h_BTD`."""
-    return token_nll(model.logits(h_BTD), targets_BT, weights_BT)
+    sums = readout_sums(model, h_BTD, targets_BT, weights_BT, with_correct=False)
+    return sums["nll"], sums["weight"]
 
 
 def readout_stats(model: Any, h_BTD: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array) -> dict[str, jax.Array]:
     """Summed NLL, correct argmax predictions and weight of the readout of `h_BTD` (evaluation)."""
-    logits_BTV = model.logits(h_BTD)
-    nll, weight = token_nll(logits_BTV, targets_BT, weights_BT)
-    correct_BT = (jnp.argmax(logits_BTV, -1) == targets_BT) * weights_BT
-    return {"nll": nll, "correct": jnp.sum(correct_BT), "weight": weight}
+    return readout_sums(model, h_BTD, targets_BT, weights_BT, with_correct=True)
+
+
+def readout_sums(
+    model: Any, h_BTD: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array, with_correct: bool
+) -> dict[str, jax.Array]:
+    """The readout's summed NLL (and correct tokens) and weight, over sequence chunks when
+    `model.cfg.loss_chunk_size` is set.
+
+    Chunked, the (B, T, V) logits never exist at once, forward or backward: a scan visits chunks
+    of `loss_chunk_size` positions, and each chunk's logits are recomputed in the backward pass
+    (`jax.checkpoint`) instead of being stored, so the readout holds (B, chunk, V) at a time.
+    The batch axis stays whole, so a batch-sharded h is never resharded.
+    """
+
+    def chunk_sums(h_BCD: jax.Array, targets_BC: jax.Array, weights_BC: jax.Array) -> dict[str, jax.Array]:
+        logits_BCV = model.logits(h_BCD)
+        sums = {"nll": jnp.sum(token_nll_BT(logits_BCV, targets_BC, weights_BC))}
+        if with_correct:
+            sums["correct"] = jnp.sum((jnp.argmax(logits_BCV, -1) == targets_BC) * weights_BC)
+        return sums
+
+    acc = jnp.promote_types(h_BTD.dtype, jnp.float32)
+    weight = jnp.sum(weights_BT.astype(acc))
+    B, T, D = h_BTD.shape
+    chunk = int(getattr(model.cfg, "loss_chunk_size", 0) or 0)
+    if not 0 < chunk < T:
+        return {**chunk_sums(h_BTD, targets_BT, weights_BT), "weight": weight}
+    n = -(-T // chunk)
+    pad = n * chunk - T  # padded positions have weight 0: they add nothing
+
+    def chunks(x: jax.Array) -> jax.Array:  # (B, T, ...) -> (n, B, chunk, ...)
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.swapaxes(x.reshape(B, n, chunk, *x.shape[2:]), 0, 1)
+
+    def body(totals: dict[str, jax.Array], xs: tuple) -> tuple[dict[str, jax.Array], None]:
+        sums = jax.checkpoint(chunk_sums)(*xs)
+        return {k: totals[k] + sums[k].astype(acc) for k in totals}, None
+
+    zeros = {k: jnp.zeros((), acc) for k in (("nll", "correct") if with_correct else ("nll",))}
+    totals, _ = jax.lax.scan(body, zeros, (chunks(h_BTD), chunks(targets_BT), chunks(weights_BT)))
+    return {**totals, "weight": weight}

@@ -39,6 +39,7 @@ NEUTRAL_PREFIXES = (
     "data.prefetch",
     "data.cache_dir",
     "model.remat",
+    "model.loss_chunk_size",
 )
 # Config fields that may change when a run resumes, with a note: the neutral ones, the length of
 # the run and the optimizer. Any other change (the data and its order, the pass schedule and
