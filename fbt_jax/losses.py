@@ -40,7 +40,9 @@ def token_loss(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: jax.Arr
     return mean_loss(*token_nll(logits_BTV, targets_BT, weights_BT))
 
 
-def readout_nll(model: Any, h_BTD: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+def readout_nll(
+    model: Any, h_BTD: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """Summed NLL and weight of the model's tied readout of the top states `h_BTD`."""
     sums = readout_sums(model, h_BTD, targets_BT, weights_BT, with_correct=False)
     return sums["nll"], sums["weight"]
