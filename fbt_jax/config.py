@@ -72,6 +72,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.steps = 1000
     c.train.batch_size = 32
     c.train.log_every = 10
+    c.train.microbatches = 1  # >1: gradient accumulation over this many parts of each global batch
     c.train.stop_at_step = 0  # >0: stop (with a checkpoint) after this step; the schedule still spans train.steps
 
     c.optimizer = ml_collections.ConfigDict()
@@ -230,6 +231,15 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
         t.batch_size % dp == 0,
         f"train.batch_size={t.batch_size} is not divisible by the data-parallel size {dp} (mesh axes {batch_axes}); "
         f"use a multiple of {dp}",
+    )
+    _require(
+        isinstance(t.microbatches, int) and t.microbatches >= 1,
+        f"train.microbatches={t.microbatches!r} must be a positive integer (1: no gradient accumulation)",
+    )
+    _require(
+        t.batch_size % (t.microbatches * dp) == 0,
+        f"train.batch_size={t.batch_size} does not split into train.microbatches={t.microbatches} parts of a "
+        f"multiple of the data-parallel size {dp}; use a batch size divisible by {t.microbatches * dp}",
     )
     _require(t.log_every >= 1, f"train.log_every={t.log_every} must be at least 1")
 

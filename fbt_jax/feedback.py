@@ -83,6 +83,7 @@ def last_pass_inputs(
     segment_ids_BT: jax.Array | None = None,
     options: PassOptions = PassOptions(),
     noise_rng: jax.Array | None = None,
+    row_ids_B: jax.Array | None = None,
 ) -> tuple[list[jax.Array], jax.Array]:
     """The K-pass loop up to the last pass: ([H¹, …, Hᴷ⁻¹], Uᴷ), the inputs of pass K.
 
@@ -101,10 +102,19 @@ def last_pass_inputs(
         states.append(h_BTD)
         carried_BTD = jax.lax.stop_gradient(h_BTD) if options.stop_gradient else h_BTD
         if options.noise_std > 0.0:
-            noise = jax.random.normal(jax.random.fold_in(noise_rng, k), carried_BTD.shape, jnp.float32)
-            carried_BTD = carried_BTD + (options.noise_std * noise).astype(carried_BTD.dtype)
+            noise_BTD = pass_noise(noise_rng, k, row_ids_B, carried_BTD.shape)
+            carried_BTD = carried_BTD + (options.noise_std * noise_BTD).astype(carried_BTD.dtype)
         u_BTD = feedback_inputs(model, e_BTD, carried_BTD, fuse_from_B, positions_BT)
     return states, u_BTD
+
+
+def pass_noise(noise_rng: jax.Array, k: int, row_ids_B: jax.Array | None, shape_BTD: tuple[int, ...]) -> jax.Array:
+    """N(0, 1) noise for pass k, drawn per example from a key of (noise_rng, k, its row in the
+    global batch): the same whichever microbatch the row is computed in (`train.microbatches`)."""
+    B, T, D = shape_BTD
+    rows_B = jnp.arange(B) if row_ids_B is None else row_ids_B
+    pass_key = jax.random.fold_in(noise_rng, k)
+    return jax.vmap(lambda row: jax.random.normal(jax.random.fold_in(pass_key, row), (T, D), jnp.float32))(rows_B)
 
 
 def kpass_forward(
@@ -116,13 +126,14 @@ def kpass_forward(
     noise_rng: jax.Array | None = None,
     positions_BT: jax.Array | None = None,
     segment_ids_BT: jax.Array | None = None,
+    row_ids_B: jax.Array | None = None,
 ) -> list[jax.Array]:
     """Top states of each of the K passes, [H¹, …, Hᴷ] (docs/method.md §5)."""
     if positions_BT is None:
         positions_BT = default_positions(tokens_BT.shape)
     e_BTD = model.embed(tokens_BT)
     states, u_BTD = last_pass_inputs(
-        model, e_BTD, fuse_from_B, num_passes, positions_BT, segment_ids_BT, options, noise_rng
+        model, e_BTD, fuse_from_B, num_passes, positions_BT, segment_ids_BT, options, noise_rng, row_ids_B
     )
     return [*states, model.stack(u_BTD, positions_BT, segment_ids_BT)]
 
@@ -134,11 +145,15 @@ def kpass_loss(
     num_passes: int,
     options: PassOptions = PassOptions(),
     noise_rng: jax.Array | None = None,
+    row_ids_B: jax.Array | None = None,
+    weight_total: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The K-pass objective: Σ_k w_k · NTP(Hᵏ) / Σ_k w_k, with per-pass losses as metrics.
 
     `batch` holds `inputs`, `targets`, `weights` (B, T) and optionally `positions`/`segment_ids`.
     Gradients of later passes flow into earlier passes' states unless `options.stop_gradient`.
+    For a microbatch, `row_ids_B` are its rows in the global batch and `weight_total` the global
+    batch's summed weight: the microbatches' losses (and gradients) then add up to the batch's.
     """
     states = kpass_forward(
         model,
@@ -149,8 +164,14 @@ def kpass_loss(
         noise_rng,
         batch.get("positions"),
         batch.get("segment_ids"),
+        row_ids_B,
     )
-    pass_losses = jnp.stack([mean_loss(*readout_nll(model, h, batch["targets"], batch["weights"])) for h in states])
+
+    def pass_loss(h_BTD: jax.Array) -> jax.Array:
+        nll, weight = readout_nll(model, h_BTD, batch["targets"], batch["weights"])
+        return mean_loss(nll, weight) if weight_total is None else nll / jnp.maximum(weight_total, 1e-8)
+
+    pass_losses = jnp.stack([pass_loss(h) for h in states])
     loss = jnp.sum(options.pass_weights(num_passes) * pass_losses)
     metrics = {f"loss_pass_{k + 1}": pass_losses[k] for k in range(num_passes)}
     return loss, metrics

@@ -45,7 +45,7 @@ NEUTRAL_PREFIXES = (
 # the run and the optimizer. Any other change (the data and its order, the pass schedule and
 # objective, the seed, the batch) needs --config.checkpoint.allow_resume_changes=True, and model
 # changes are refused outright.
-RESUME_FREE_PREFIXES = ("train.steps", "optimizer.", *NEUTRAL_PREFIXES)
+RESUME_FREE_PREFIXES = ("train.steps", "train.microbatches", "optimizer.", *NEUTRAL_PREFIXES)
 RESUME_IGNORED = ("workdir", "init_from", "fork_from", "dry_run", "dry_run_devices")
 # Config fields in which a fork may differ from its trunk: the neutral ones, and the pass schedule
 # as long as it draws the same K at every step before the fork (checked where the fork restores).

@@ -34,6 +34,7 @@ class StepSettings:
     fuse_from_min: int
     fuse_from_max: int
     seed: int
+    microbatches: int = 1
 
 
 def step_settings(config: ml_collections.ConfigDict) -> StepSettings:
@@ -48,6 +49,7 @@ def step_settings(config: ml_collections.ConfigDict) -> StepSettings:
         fuse_from_min=int(p.fuse_from_min),
         fuse_from_max=int(p.fuse_from_max),
         seed=int(config.seed),
+        microbatches=int(config.train.microbatches),
     )
 
 
@@ -91,11 +93,21 @@ def train_step(
         fuse_rng, batch["inputs"].shape[0], settings.prefix_mixin_prob, settings.fuse_from_min, settings.fuse_from_max
     )
 
-    def loss_fn(params: nnx.State) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def loss_fn(params: nnx.State, part: dict[str, jax.Array], weight_total: jax.Array | None) -> tuple:
         model = nnx.merge(graphdef, params)
-        return kpass_loss(model, batch, fuse_from_B, num_passes, settings.pass_options, noise_rng)
+        examples = {k: v for k, v in part.items() if k not in ("fuse_from", "rows")}
+        options = settings.pass_options
+        return kpass_loss(
+            model, examples, part["fuse_from"], num_passes, options, noise_rng, part["rows"], weight_total
+        )
 
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    rows_B = jnp.arange(batch["inputs"].shape[0], dtype=jnp.int32)
+    whole = {**batch, "fuse_from": fuse_from_B, "rows": rows_B}
+    if settings.microbatches == 1:
+        (loss, metrics), grads = grad_fn(state.params, whole, None)
+    else:
+        (loss, metrics), grads = accumulate(grad_fn, state.params, whole, settings.microbatches)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {
@@ -106,6 +118,28 @@ def train_step(
         "mean_fuse_from": jnp.mean(fuse_from_B.astype(jnp.float32)),
     }
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def accumulate(grad_fn: Any, params: nnx.State, whole: dict[str, jax.Array], microbatches: int) -> tuple:
+    """`grad_fn` summed over microbatches, one at a time (gradient accumulation).
+
+    Microbatch m holds rows m, m + M, m + 2M, … of the global batch: with the batch split across
+    devices by rows, every device then holds its share of every microbatch (no resharding). Each
+    microbatch's loss is normalised by the whole batch's token weight, so the sums equal the
+    full-batch loss and gradient (to fp32 rounding), whatever M.
+    """
+    B, M = whole["inputs"].shape[0], microbatches
+    parts = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(B // M, M, *x.shape[1:]), 0, 1), whole)
+    weight_total = jnp.sum(whole["weights"].astype(jnp.float32))
+
+    def add(total: tuple, part: dict[str, jax.Array]) -> tuple[tuple, None]:
+        (loss, metrics), grads = grad_fn(params, part, weight_total)
+        return jax.tree.map(jnp.add, total, ((loss, metrics), grads)), None
+
+    first = jax.tree.map(lambda x: x[0], parts)
+    init = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: grad_fn(params, first, weight_total)))
+    total, _ = jax.lax.scan(add, init, parts)
+    return total
 
 
 def eval_step(
