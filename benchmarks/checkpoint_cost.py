@@ -27,11 +27,10 @@ import time
 
 import jax
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import docs_block  # noqa: E402
-from tiny import get_config as tiny_config  # noqa: E402
+from bench_configs import sized_config  # noqa: E402
 
 from fbt_jax.checkpoint import Checkpointer  # noqa: E402
 from fbt_jax.sharding import per_device_bytes  # noqa: E402
@@ -43,12 +42,16 @@ SMOKE = {"width": 64, "batch_sizes": (4,), "widths": (64,), "seq_len": 32}
 
 
 def cpu_config(width: int, workdir: str, batch_size: int = 8, seq_len: int = 128):
-    c = tiny_config()
+    c = sized_config(
+        seq_len=seq_len,
+        batch_size=batch_size,
+        embed_dim=width,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=4,
+        mlp_dim=4 * width,
+    )
     c.workdir = workdir
-    c.data.seq_len = seq_len
-    c.model.embed_dim, c.model.num_layers, c.model.num_heads, c.model.num_kv_heads = width, 4, 8, 4
-    c.model.mlp_dim = 4 * width
-    c.train.batch_size = batch_size
     c.passes.schedule = "0:1"
     c.eval.num_batches = 0
     c.checkpoint.max_to_keep = 2
@@ -120,16 +123,9 @@ def save_restore_times(tmp: str, width: int, repeats: int = 3, seq_len: int = 12
 
 
 def main() -> None:
-    args = docs_block.arguments(
-        __doc__,
-        "checkpoint_cost",
-        "tiny sizes and one round: checks that it runs",
-        extra=[("--rounds", dict(type=int, default=5)), ("--steps-per-round", dict(type=int, default=6))],
-    )
+    args = docs_block.timing_arguments(__doc__, "checkpoint_cost", rounds=5, steps_per_round=6, smoke_steps_per_round=2)
     sizes_cfg = SMOKE if args.smoke else FULL
-    repeats = 3
-    if args.smoke:
-        args.rounds, args.steps_per_round, repeats = 1, 2, 1
+    repeats = 1 if args.smoke else 3
     width, seq_len = sizes_cfg["width"], sizes_cfg["seq_len"]
     with tempfile.TemporaryDirectory() as tmp:
         overhead = {

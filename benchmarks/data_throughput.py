@@ -25,7 +25,6 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import docs_block  # noqa: E402
@@ -96,7 +95,7 @@ def main() -> None:
     if args.smoke:
         args.batches, num_docs, warmup, model_rounds = 5, 100, 2, 2
 
-    from tiny import get_config as tiny_config
+    from bench_configs import cpu_medium_config, tiny_config
 
     from fbt_jax.data import records
     from fbt_jax.data.pipeline import StepBatches, TaskSplit
@@ -126,11 +125,9 @@ def main() -> None:
     pipeline["word problem, 2 workers"] = pipeline_tokens_per_second(task, args.batches, 2, warmup)
     pipeline["word problem, thread"] = pipeline_tokens_per_second(task, args.batches, 0, warmup)
 
-    bigger = tiny_config()
-    bigger.data.seq_len = 128
-    bigger.model.embed_dim, bigger.model.num_layers, bigger.model.num_heads = 256, 4, 8
-    bigger.model.num_kv_heads, bigger.model.mlp_dim, bigger.train.batch_size = 4, 1024, 8
-    model_configs = {"tiny": tiny_config()} if args.smoke else {"tiny": tiny_config(), "cpu_medium": bigger}
+    model_configs = (
+        {"tiny": tiny_config()} if args.smoke else {"tiny": tiny_config(), "cpu_medium": cpu_medium_config()}
+    )
     labels = {name: model_label(name, config) for name, config in model_configs.items()}
     models = {name: model_tokens_per_second(config, model_rounds) for name, config in model_configs.items()}
 

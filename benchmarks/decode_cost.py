@@ -24,12 +24,10 @@ import time
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import docs_block  # noqa: E402
-from fbt_1b import get_config as fbt_1b_config  # noqa: E402
-from tiny import get_config as tiny_config  # noqa: E402
+from bench_configs import fbt_1b_config, sized_config, tiny_config  # noqa: E402
 
 from fbt_jax import decode  # noqa: E402
 from fbt_jax.flops import feedback_overhead_per_token  # noqa: E402
@@ -40,11 +38,7 @@ SMOKE_BATCH, SMOKE_PROMPT, SMOKE_CACHE = 2, 16, 32
 
 
 def bigger_model_config():
-    c = tiny_config()
-    c.model.vocab_size = 512
-    c.model.embed_dim, c.model.num_layers, c.model.num_heads, c.model.num_kv_heads = 512, 6, 8, 4
-    c.model.mlp_dim = 2048
-    return c
+    return sized_config(vocab_size=512, embed_dim=512, num_layers=6, num_heads=8, num_kv_heads=4, mlp_dim=2048)
 
 
 def measure(

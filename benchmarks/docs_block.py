@@ -60,6 +60,25 @@ def arguments(doc: str, name: str, smoke_help: str, extra: Sequence[tuple[str, d
     return args
 
 
+def timing_arguments(
+    doc: str, name: str, rounds: int, steps_per_round: int, smoke_steps_per_round: int = 1
+) -> argparse.Namespace:
+    """`arguments` for a benchmark timed in interleaved rounds of steps: --rounds and
+    --steps-per-round, which --smoke sets to one round of `smoke_steps_per_round` steps."""
+    args = arguments(
+        doc,
+        name,
+        "tiny sizes and one round: checks that it runs",
+        extra=[
+            ("--rounds", dict(type=int, default=rounds)),
+            ("--steps-per-round", dict(type=int, default=steps_per_round)),
+        ],
+    )
+    if args.smoke:
+        args.rounds, args.steps_per_round = 1, smoke_steps_per_round
+    return args
+
+
 def check_block(path: str, name: str) -> None:
     """Exit with one line unless `path` can be read and holds the markers of `name` (called before
     measuring, so that a wrong path fails in a second rather than after the whole run)."""

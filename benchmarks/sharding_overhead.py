@@ -29,12 +29,10 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import docs_block  # noqa: E402
-from fbt_1b import get_config as fbt_1b_config  # noqa: E402
-from tiny import get_config as tiny_config  # noqa: E402
+from bench_configs import fbt_1b_config, sized_config, tiny_config  # noqa: E402
 
 from fbt_jax.train.trainer import Trainer  # noqa: E402
 
@@ -50,18 +48,12 @@ MESH_LABELS = {
 
 
 def bench_config(smoke: bool = False):
-    c = tiny_config()
-    c.data.seq_len = 64
-    c.model.embed_dim = 128
-    c.model.num_heads = 4
-    c.model.num_kv_heads = 2
-    c.model.mlp_dim = 512
-    c.train.batch_size = 32
-    c.passes.schedule = "0:1=0.5,2=0.5"
-    c.eval.num_batches = 0
     if smoke:
-        c.data.seq_len, c.model.embed_dim, c.model.mlp_dim, c.train.batch_size = 16, 32, 64, 8
-        c.passes.schedule = "0:1"
+        c = sized_config(seq_len=16, batch_size=8, embed_dim=32, num_heads=4, num_kv_heads=2, mlp_dim=64)
+    else:
+        c = sized_config(seq_len=64, batch_size=32, embed_dim=128, num_heads=4, num_kv_heads=2, mlp_dim=512)
+    c.passes.schedule = "0:1" if smoke else "0:1=0.5,2=0.5"
+    c.eval.num_batches = 0
     return c
 
 
@@ -98,15 +90,9 @@ def compile_times(config, devices) -> dict[str, float]:
 
 
 def main() -> None:
-    args = docs_block.arguments(
-        __doc__,
-        "sharding_overhead",
-        "tiny sizes and one round: checks that it runs",
-        extra=[("--rounds", dict(type=int, default=9)), ("--steps-per-round", dict(type=int, default=3))],
-    )
+    args = docs_block.timing_arguments(__doc__, "sharding_overhead", rounds=9, steps_per_round=3)
     meshes, tiny_schedule, one_b_schedule = MESHES, "0:1=0.4,2=0.3,3=0.3", None
     if args.smoke:
-        args.rounds, args.steps_per_round = 1, 1
         meshes, tiny_schedule, one_b_schedule = SMOKE_MESHES, "0:1", "0:1"
 
     times = step_times(args.rounds, args.steps_per_round, meshes, args.smoke)

@@ -24,29 +24,16 @@ import time
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import docs_block  # noqa: E402
-from tiny import get_config as tiny_config  # noqa: E402
+from bench_configs import cpu_medium_config, tiny_config  # noqa: E402
 
 from fbt_jax.flops import train_step_flops  # noqa: E402
 from fbt_jax.model import ModelConfig  # noqa: E402
 from fbt_jax.train.trainer import Trainer  # noqa: E402
 
 PASS_COUNTS = (1, 2, 3)
-
-
-def cpu_medium_config():
-    c = tiny_config()
-    c.data.seq_len = 128
-    c.model.embed_dim = 256
-    c.model.num_layers = 4
-    c.model.num_heads = 8
-    c.model.num_kv_heads = 4
-    c.model.mlp_dim = 1024
-    c.train.batch_size = 8
-    return c
 
 
 def peak_matmul_flops(rounds: int = 10, sizes: tuple[int, ...] = (1024, 2048)) -> dict[str, float]:
@@ -92,14 +79,8 @@ def time_steps(config, rounds: int, steps_per_round: int) -> dict[int, float]:
 
 
 def main() -> None:
-    args = docs_block.arguments(
-        __doc__,
-        "step_cost",
-        "tiny sizes and one round: checks that it runs",
-        extra=[("--rounds", dict(type=int, default=15)), ("--steps-per-round", dict(type=int, default=3))],
-    )
+    args = docs_block.timing_arguments(__doc__, "step_cost", rounds=15, steps_per_round=3)
     if args.smoke:
-        args.rounds, args.steps_per_round = 1, 1
         configs = (("tiny", tiny_config()),)
         peaks = peak_matmul_flops(rounds=2, sizes=(256,))
     else:

@@ -82,8 +82,8 @@ def main() -> None:
         body = (
             table.rstrip()
             + "\n\n"
-            + f"Written by `python benchmarks/sweep_cost.py{' --smoke' if args.smoke else ''}` on {os.cpu_count()} CPU "
-            f"cores, one sweep after the other.{note}\n\n"
+            + f"Written by `python benchmarks/sweep_cost.py{' --smoke' if args.smoke else ''}`. Machine: {os.cpu_count()} "
+            f"CPU cores; the two sweeps ran one after the other.{note}\n\n"
             "| sweep | jobs | steps trained | wall time |\n|---|---|---|---|\n"
             f"| shared trunks | {shared_jobs} | {shared_steps:,} | {shared_seconds:.0f} s |\n"
             f"| every run from scratch | {scratch_jobs} | {scratch_steps:,} | {scratch_seconds:.0f} s |\n\n"

@@ -1,3 +1,6 @@
+"""What the test files share: the repository root, configs, small models and run configs, running
+the fbt-* commands as subprocesses, and reading what a run wrote."""
+
 import os
 
 # Tests run on the CPU with 8 simulated devices, so that meshes can be tested on one machine
@@ -5,9 +8,38 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
+import glob  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from fbt_jax.model import ModelConfig, build_model  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)  # this environment's fbt-* scripts
+MODULES = {
+    "fbt-train": "fbt_jax.train",
+    "fbt-eval": "fbt_jax.evaluate",
+    "fbt-decode": "fbt_jax.decode_cli",
+    "fbt-prepare": "fbt_jax.data.prepare",
+    "fbt-sweep": "fbt_jax.sweep.cli",
+}
+
+
+# --- configs and models ------------------------------------------------------------------------------
+
+
+def load_config(name: str):
+    """configs/<name>.py's config."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
 
 
 def small_model_config(**overrides) -> ModelConfig:
@@ -19,3 +51,210 @@ def small_model_config(**overrides) -> ModelConfig:
 @pytest.fixture(scope="module")
 def small_model():
     return build_model(small_model_config(), seed=0)
+
+
+def run_config(tmp_path, name: str = "run", steps: int = 6, schedule: str = "0:1=0.5,2=0.5", mesh=None):
+    """configs/tiny.py as a short run in tmp_path/name: `steps` steps, each logged, one warm-up
+    step, no evaluation; `mesh` (data, fsdp, tensor) if given."""
+    config = load_config("tiny")
+    config.workdir = str(tmp_path / name)
+    config.train.steps = steps
+    config.train.log_every = 1
+    config.optimizer.warmup_steps = 1
+    config.passes.schedule = schedule
+    config.eval.num_batches = 0
+    if mesh is not None:
+        config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh
+    return config
+
+
+def checkpointed_config(tmp_path, name: str = "run", steps: int = 6, mesh=(-1, 1, 1)):
+    """`run_config` with K drawn from {1, 2} and a checkpoint every 2 steps (the last 3 kept)."""
+    config = run_config(tmp_path, name, steps, mesh=mesh)
+    config.checkpoint.every_steps = 2
+    config.checkpoint.max_to_keep = 3
+    return config
+
+
+def set_fields(config, overrides: dict) -> None:
+    """Set config fields by dotted path, e.g. {"model.num_heads": 5, "seed": 1}."""
+    for path, value in overrides.items():
+        section, _, name = path.rpartition(".")
+        (config[section] if section else config)[name] = value
+
+
+def train_argv(workdir: str, *overrides: str) -> list[str]:
+    """The fbt-train command of a short tiny run in `workdir` (each step logged, one warm-up step,
+    no evaluation), then `overrides`; run it with `run_command` or `start_command`."""
+    return [
+        "fbt-train",
+        "--config=configs/tiny.py",
+        "--config.train.log_every=1",
+        "--config.optimizer.warmup_steps=1",
+        "--config.eval.num_batches=0",
+        f"--config.workdir={workdir}",
+        *overrides,
+    ]
+
+
+# --- commands as subprocesses ----------------------------------------------------------------------------
+
+
+def command(argv: list[str]) -> list[str]:
+    """`argv` ready to run: an fbt-* program is this environment's script (`python -m` its module
+    where the package is not installed), a launch/ script runs under bash, anything else as is."""
+    program = argv[0]
+    if program in MODULES:
+        script = os.path.join(BIN, program)
+        head = [script] if os.path.exists(script) else [sys.executable, "-m", MODULES[program]]
+        return [*head, *argv[1:]]
+    if program.startswith("launch/"):
+        return ["bash", *argv]
+    return list(argv)
+
+
+def cpu_env(devices: int | None = 1, **extra: str) -> dict[str, str]:
+    """This process's environment for a command: on the CPU with `devices` simulated devices (None:
+    no XLA_FLAGS, one device, as a user runs it), this environment's scripts first on PATH, and
+    `extra` on top."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PATH": BIN + os.pathsep + os.environ.get("PATH", "")}
+    env.pop("XLA_FLAGS", None)
+    if devices is not None:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return {**env, **extra}
+
+
+def run_command(argv: list[str], env=None, cwd=ROOT, timeout=None, **kwargs) -> subprocess.CompletedProcess:
+    """Run `argv` (see `command`) from `cwd` to its end, its output captured as text. With `env`
+    None it inherits this process's environment (8 simulated devices)."""
+    return subprocess.run(command(argv), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def start_command(argv: list[str], env=None, cwd=ROOT, **kwargs) -> subprocess.Popen:
+    """Start `argv` (see `command`) from `cwd`, in text mode; `kwargs` go to Popen (stdout=...)."""
+    return subprocess.Popen(command(argv), cwd=cwd, env=env, text=True, **kwargs)
+
+
+def wait_for(predicate, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise TimeoutError("condition not reached")
+
+
+# --- what a run wrote ------------------------------------------------------------------------------------
+
+
+def read_jsonl(workdir: str, name: str = "metrics.jsonl") -> list[dict]:
+    """The rows of a run's metrics.jsonl (or another JSON-lines log in its workdir)."""
+    with open(os.path.join(workdir, name)) as f:
+        return [json.loads(line) for line in f]
+
+
+def losses(workdir):
+    return {r["step"]: r["loss"] for r in read_jsonl(workdir)}
+
+
+def tree_snapshot(directory):
+    """Every file under `directory` with its bytes: to prove that nothing was touched."""
+    return {
+        os.path.relpath(p, directory): open(p, "rb").read()
+        for p in glob.glob(f"{directory}/**", recursive=True)
+        if os.path.isfile(p)
+    }
+
+
+def saved_state(directory):
+    """All arrays of a checkpoint's train state, as numpy, in a fixed order."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    path = os.path.join(directory, "state")
+    checkpointer = ocp.StandardCheckpointer()
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # whatever topology saved it
+    target = jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one_device), checkpointer.metadata(path).item_metadata
+    )
+    state = checkpointer.restore(path, target)
+    return jax.tree_util.tree_flatten_with_path(jax.tree.map(np.asarray, state))[0]
+
+
+def assert_same_state(dir_a, dir_b):
+    a, b = saved_state(dir_a), saved_state(dir_b)
+    assert [p for p, _ in a] == [p for p, _ in b]
+    for (path, x), (_, y) in zip(a, b):
+        assert np.array_equal(x, y), path  # bitwise
+
+
+# --- text data ---------------------------------------------------------------------------------------------
+
+
+def text_config(tmp_path, path, seq_len=32):
+    """configs/tiny.py on text files (or prepared records) at `path`, byte-tokenised."""
+    config = load_config("tiny")
+    config.workdir = str(tmp_path / "run")
+    config.data.source = "text"
+    config.data.path = str(path)
+    config.data.seq_len = seq_len
+    config.data.validation_fraction = 0.2
+    config.model.vocab_size = 257
+    return config
+
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+def write_corpus(directory, num_docs=60, seed=0):
+    """Random word documents, the first half as lines of docs.jsonl, the rest as doc<i>.txt files."""
+    rng = np.random.default_rng(seed)
+    os.makedirs(directory, exist_ok=True)
+    docs = [" ".join(rng.choice(WORDS, size=rng.integers(3, 60))) for _ in range(num_docs)]
+    with open(os.path.join(directory, "docs.jsonl"), "w") as f:
+        for doc in docs[: num_docs // 2]:
+            f.write(json.dumps({"text": doc}) + "\n")
+    for i, doc in enumerate(docs[num_docs // 2 :]):
+        with open(os.path.join(directory, f"doc{i}.txt"), "w") as f:
+            f.write(doc)
+    return docs
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """(directory, documents) of `write_corpus`; read only."""
+    directory = tmp_path_factory.mktemp("corpus")
+    return directory, write_corpus(directory)
+
+
+@pytest.fixture(scope="session")
+def prepared(corpus, tmp_path_factory):
+    """(corpus directory, records directory, documents): the corpus prepared by fbt-prepare
+    (seq_len 32, a fifth of the documents held out); read only."""
+    directory, docs = corpus
+    out = str(tmp_path_factory.mktemp("prep") / "records")
+    result = run_command(
+        ["fbt-prepare", f"--input={directory}/*", f"--output={out}", "--seq-len=32", "--validation-fraction=0.2"]
+    )
+    assert result.returncode == 0, result.stderr
+    return directory, out, docs
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory):
+    """A tiny run trained by fbt-train for 40 steps (K up to 3), for fbt-eval and fbt-decode."""
+    workdir = str(tmp_path_factory.mktemp("eval") / "run")
+    run_command(
+        [
+            "fbt-train",
+            "--config=configs/tiny.py",
+            f"--config.workdir={workdir}",
+            "--config.train.steps=40",
+            "--config.optimizer.warmup_steps=4",
+            "--config.eval.num_batches=0",
+            "--config.passes.schedule=0:1;0.5:2=0.9,3=0.1",
+        ],
+        cpu_env(1),
+        check=True,
+    )
+    return workdir

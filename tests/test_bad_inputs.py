@@ -35,15 +35,8 @@ import time
 from collections.abc import Callable
 
 import pytest
-from test_config import ROOT
+from conftest import cpu_env, run_command
 
-BIN = os.path.dirname(sys.executable)
-MODULES = {
-    "fbt-train": "fbt_jax.train",
-    "fbt-eval": "fbt_jax.evaluate",
-    "fbt-decode": "fbt_jax.decode_cli",
-    "fbt-prepare": "fbt_jax.data.prepare",
-}
 PROGRAM_NAMES = {"launch/local.sh": "local.sh"}
 LOCK_NAME = ".fbt-train.lock"
 # A run compiles its programs only after every check has passed.
@@ -65,27 +58,13 @@ EVAL = ["fbt-eval", "--checkpoint={run}", "--output={tmp}/eval"]
 PREPARE = ["fbt-prepare", "--output={tmp}/prepared", "--seq-len=16"]
 
 
-def command(argv: list[str]) -> list[str]:
-    if argv[0] == "launch/local.sh":
-        return ["bash", *argv]
-    script = os.path.join(BIN, argv[0])
-    head = [script] if os.path.exists(script) else [sys.executable, "-m", MODULES[argv[0]]]
-    return [*head, *argv[1:]]
-
-
 def environment(devices: int = 1, tmp: str = "") -> dict[str, str]:
-    return {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-        "PATH": BIN + os.pathsep + os.environ.get("PATH", ""),
-        "PYTHON": sys.executable,
-        "FBT_JAX_CACHE": os.path.join(tmp, "cache") if tmp else os.environ.get("FBT_JAX_CACHE", ""),
-    }
+    cache = os.path.join(tmp, "cache") if tmp else os.environ.get("FBT_JAX_CACHE", "")
+    return cpu_env(devices, PYTHON=sys.executable, FBT_JAX_CACHE=cache)
 
 
 def run(argv: list[str], env: dict[str, str], timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(command(argv), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_command(argv, env, timeout=timeout)
 
 
 # --- shared inputs, made once per module on first use ----------------------------------------------
@@ -185,10 +164,13 @@ def text_file(name: str, data: bytes | str) -> Callable[[str, Shared], None]:
     return setup
 
 
-def unreadable_text(tmp: str, shared: Shared) -> None:
-    path = os.path.join(tmp, "locked.txt")
-    write(path, "some text that cannot be read " * 10)
-    os.chmod(path, 0)
+def unreadable_file(name: str) -> Callable[[str, Shared], None]:
+    def setup(tmp: str, shared: Shared) -> None:
+        path = os.path.join(tmp, name)
+        write(path, "some text that cannot be read " * 10)
+        os.chmod(path, 0)
+
+    return setup
 
 
 def read_only_workdir(tmp: str, shared: Shared) -> None:
@@ -234,6 +216,27 @@ class Case:
 
 def case(id: str, argv: list[str], code: int, message: str, **kwargs) -> Case:
     return Case(id, argv, code, message, **kwargs)
+
+
+def file_case(id: str, argv: list[str], flag: str, name: str, data: bytes | str | None, message: str) -> Case:
+    """`argv` with `flag` naming the file `name` in the case's directory, which holds `data` (None:
+    some text, but the file is unreadable); exit 2."""
+    if data is None:
+        setup, kwargs = unreadable_file(name), {"needs_permissions": True}
+    else:
+        setup, kwargs = text_file(name, data), {}
+    return case(id, [*argv, f"{flag}={{tmp}}/{name}"], 2, message, setup=setup, **kwargs)
+
+
+def prepared_case(id: str, setup: Callable[[str, Shared], None], message: str) -> Case:
+    """Training on a copy of the prepared data ({tmp}/data) that `setup` damaged; exit 2."""
+    return case(id, [*TEXT, "--config.data.path={tmp}/data"], 2, message, setup=setup)
+
+
+def resume_case(id: str, overrides: list[str], code: int, message: str, setup=copy_run) -> Case:
+    """Resuming a copy of the trained run ({copy}, made by `setup`) with `overrides`; the failing run
+    took the copy's lock first."""
+    return case(id, [*RESUME, *overrides], code, message, setup=setup, takes_lock=True)
 
 
 CASES = [
@@ -322,34 +325,32 @@ CASES = [
     ),
     case("train-text-no-path", TEXT, 2, r"needs data.path"),
     case("train-text-no-file", [*TEXT, "--config.data.path={tmp}/none/*.txt"], 2, r"matches no file; give a glob"),
-    case(
+    file_case(
         "train-text-empty-file",
-        [*TEXT, "--config.data.path={tmp}/empty.txt"],
-        2,
+        TEXT,
+        "--config.data.path",
+        "empty.txt",
+        b"",
         r"empty\.txt is empty; remove it or fix data.path",
-        setup=text_file("empty.txt", b""),
     ),
-    case(
+    file_case(
         "train-text-not-utf8",
-        [*TEXT, "--config.data.path={tmp}/latin1.txt"],
-        2,
+        TEXT,
+        "--config.data.path",
+        "latin1.txt",
+        "caf\xe9 cr\xe8me br\xfbl\xe9e ".encode("latin-1") * 20,
         r"latin1\.txt is not UTF-8 text .*; convert it to UTF-8 or drop it from data.path",
-        setup=text_file("latin1.txt", "caf\xe9 cr\xe8me br\xfbl\xe9e ".encode("latin-1") * 20),
     ),
-    case(
+    file_case(
         "train-text-bad-jsonl",
-        [*TEXT, "--config.data.path={tmp}/docs.jsonl"],
-        2,
+        TEXT,
+        "--config.data.path",
+        "docs.jsonl",
+        '{"text": "fine"}\n{"body": "no text field"}\n',
         r"docs\.jsonl:2 is not a JSON object with a 'text' string; write one",
-        setup=text_file("docs.jsonl", '{"text": "fine"}\n{"body": "no text field"}\n'),
     ),
-    case(
-        "train-text-unreadable",
-        [*TEXT, "--config.data.path={tmp}/locked.txt"],
-        2,
-        r"is not readable; fix its permissions",
-        setup=unreadable_text,
-        needs_permissions=True,
+    file_case(
+        "train-text-unreadable", TEXT, "--config.data.path", "locked.txt", None, r"is not readable; fix its permissions"
     ),
     case(
         "train-tokenizer-missing",
@@ -370,81 +371,58 @@ CASES = [
         r"vocab_size=6 is smaller than the data's vocabulary \(257 tokens for the prepared data",
     ),
     case("train-prepared-no-meta", [*TEXT, "--config.data.path={dir}"], 2, r"no meta.json\); run fbt-prepare"),
-    case(
+    prepared_case(
         "train-prepared-meta-garbled",
-        [*TEXT, "--config.data.path={tmp}/data"],
-        2,
+        garble_meta,
         r"meta.json cannot be read \(JSONDecodeError.*prepare the data again",
-        setup=garble_meta,
     ),
-    case(
+    prepared_case(
         "train-records-garbled-in-the-middle",
-        [*TEXT, "--config.data.path={tmp}/data"],
-        2,
+        garble(1 / 3, 4096),
         r"train.array_record are damaged .*prepare the data again with fbt-prepare",
-        setup=garble(1 / 3, 4096),
     ),
-    case(
+    prepared_case(
         "train-records-garbled-whole",
-        [*TEXT, "--config.data.path={tmp}/data"],
-        2,
+        garble(0, None),
         r"train.array_record are damaged .*prepare the data again with fbt-prepare",
-        setup=garble(0, None),
     ),
-    case(
+    prepared_case(
         "train-records-truncated",
-        [*TEXT, "--config.data.path={tmp}/data"],
-        2,
+        truncate(0.5),
         r"train.array_record hold \d+ bytes, but fbt-prepare wrote \d+; .*prepare the data again",
-        setup=truncate(0.5),
     ),
-    case(
-        "train-records-emptied",
-        [*TEXT, "--config.data.path={tmp}/data"],
-        2,
-        r"train.array_record hold 0 bytes, but fbt-prepare wrote \d+",
-        setup=truncate(0),
-    ),
+    prepared_case("train-records-emptied", truncate(0), r"train.array_record hold 0 bytes, but fbt-prepare wrote \d+"),
     # fbt-train: checkpoints of the trained run (resumed on a copy; init_from reads the original)
-    case(
+    resume_case(
         "train-resume-another-model",
-        [*RESUME, "--config.model.embed_dim=128"],
+        ["--config.model.embed_dim=128"],
         2,
         r"different model \(model.embed_dim: checkpoint 64, config 128\); use a new workdir, or the original",
-        setup=copy_run,
-        takes_lock=True,
     ),
-    case(
+    resume_case(
         "train-resume-another-optimizer",
-        [*RESUME, "--config.optimizer.grad_clip_norm=0"],
+        ["--config.optimizer.grad_clip_norm=0"],
         2,
         r"another layout \(optimizer.grad_clip_norm: checkpoint 1.0, config 0.0\); resume with the original",
-        setup=copy_run,
-        takes_lock=True,
     ),
-    case(
+    resume_case(
         "train-resume-changed-seed",
-        [*RESUME, "--config.seed=1"],
+        ["--config.seed=1"],
         2,
         r"changed seed: 0 -> 1.*--config.checkpoint.allow_resume_changes=True",
-        setup=copy_run,
-        takes_lock=True,
     ),
-    case(
+    resume_case(
         "train-resume-changed-batch",
-        [*RESUME, "--config.train.batch_size=16"],
+        ["--config.train.batch_size=16"],
         2,
         r"changed train.batch_size: 32 -> 16.*--config.checkpoint.allow_resume_changes=True",
-        setup=copy_run,
-        takes_lock=True,
     ),
-    case(
+    resume_case(
         "train-resume-damaged-checkpoints",
-        RESUME,
+        [],
         5,
         r"checkpoint error: none of the 2 checkpoint\(s\) .* nothing was changed\. .*restart_from_scratch",
         setup=damage_checkpoints,
-        takes_lock=True,
     ),
     case(
         "train-init-from-missing",
@@ -511,12 +489,13 @@ CASES = [
         2,
         r"--prompts-file='.*prompts.txt' cannot be read \(No such file or directory\)",
     ),
-    case(
+    file_case(
         "decode-prompts-file-not-utf8",
-        [*DECODE[:2], "--prompts-file={tmp}/prompts.txt"],
-        2,
+        DECODE[:2],
+        "--prompts-file",
+        "prompts.txt",
+        b"1 2 \xff\xfe\n",
         r"is not UTF-8 text",
-        setup=text_file("prompts.txt", b"1 2 \xff\xfe\n"),
     ),
     case("decode-no-prompt", DECODE[:2], 2, r"no prompt given; use --prompt or --prompts-file"),
     case("decode-empty-prompt", [*DECODE[:2], "--prompt= "], 2, r"a --prompt is empty"),
@@ -554,34 +533,32 @@ CASES = [
     # fbt-prepare
     case("prepare-no-input", PREPARE, 2, r"give exactly one of --input .* or --tfds-name"),
     case("prepare-input-missing", [*PREPARE, "--input={tmp}/none/*.txt"], 2, r"--input='.*' matches no file; give"),
-    case(
-        "prepare-input-empty",
-        [*PREPARE, "--input={tmp}/empty.txt"],
-        2,
-        r"empty\.txt is empty; remove it or fix --input",
-        setup=text_file("empty.txt", b""),
+    file_case(
+        "prepare-input-empty", PREPARE, "--input", "empty.txt", b"", r"empty\.txt is empty; remove it or fix --input"
     ),
-    case(
+    file_case(
         "prepare-input-not-utf8",
-        [*PREPARE, "--input={tmp}/latin1.txt"],
-        2,
+        PREPARE,
+        "--input",
+        "latin1.txt",
+        "na\xefve fa\xe7ade ".encode("latin-1") * 20,
         r"is not UTF-8 text .*; convert it to UTF-8 or drop it from --input",
-        setup=text_file("latin1.txt", "na\xefve fa\xe7ade ".encode("latin-1") * 20),
     ),
-    case(
+    file_case(
         "prepare-input-unreadable",
-        [*PREPARE, "--input={tmp}/locked.txt"],
-        2,
+        PREPARE,
+        "--input",
+        "locked.txt",
+        None,
         r"is not readable; fix its permissions or drop it from --input",
-        setup=unreadable_text,
-        needs_permissions=True,
     ),
-    case(
+    file_case(
         "prepare-input-too-short",
-        [*PREPARE, "--input={tmp}/short.txt"],
-        2,
+        PREPARE,
+        "--input",
+        "short.txt",
+        "tiny\n",
         r"has \d+ tokens, fewer than one sequence of seq_len\+1 = 17; use more text or a shorter",
-        setup=text_file("short.txt", "tiny\n"),
     ),
     case(
         "prepare-output-exists",

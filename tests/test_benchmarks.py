@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from test_config import ROOT
+from conftest import ROOT, cpu_env, run_command
 
 BENCHMARK_DIR = os.path.join(ROOT, "benchmarks")
 # benchmark → a top-level key its JSON line must have
@@ -23,10 +23,11 @@ BENCHMARKS = {
     "sharding_overhead": "compile_seconds",
     "first_run": "wall_seconds",
     "dry_run_memory": "device_mib_K3",
+    "sweep_cost": "ratio",
 }
 # These quote what a command printed (a fenced text block) rather than a table.
 QUOTES_OUTPUT = {"first_run", "dry_run_memory"}
-HELPERS = {"docs_block"}
+HELPERS = {"docs_block", "bench_configs"}  # modules the benchmarks share
 
 BEFORE = "# Notes\n\nText before the figures.\n\n"
 AFTER = "\nText after the figures, with a table of its own:\n\n| a | b |\n|---|---|\n| 1 | 2 |\n"
@@ -39,18 +40,9 @@ def markdown(name: str) -> str:
 def run_benchmark(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python benchmarks/<name>.py ARGS` from the repository root, on the CPU: one device, except
     for sharding_overhead, which runs on 8 simulated ones (it also sets that flag itself)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # conftest's 8 simulated devices are for this process, not the benchmarks
-    if name == "sharding_overhead":
-        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    return subprocess.run(
-        [sys.executable, os.path.join("benchmarks", f"{name}.py"), *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    # conftest's 8 simulated devices are for this process, not the benchmarks
+    env = cpu_env(8 if name == "sharding_overhead" else None)
+    return run_command([sys.executable, os.path.join("benchmarks", f"{name}.py"), *args], env, timeout=timeout)
 
 
 def numbers(tree, path: str = ""):

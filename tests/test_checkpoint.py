@@ -1,29 +1,34 @@
 """Checkpoints: exact resume after SIGKILL, SIGTERM preemption, damaged checkpoints, another mesh,
-incompatible configs, init_from, and two processes saving and restoring together."""
+incompatible configs, and two processes saving and restoring together."""
 
 import glob
-import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
-import time
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
-from test_config import ROOT, load_config
+from conftest import (
+    assert_same_state,
+    checkpointed_config,
+    cpu_env,
+    losses,
+    read_jsonl,
+    run_command,
+    start_command,
+    tree_snapshot,
+    wait_for,
+)
 
-from fbt_jax.errors import PREEMPTED_EXIT_CODE, ConfigError
+from fbt_jax.checkpoint import Checkpointer
+from fbt_jax.errors import PREEMPTED_EXIT_CODE, CheckpointError, ConfigError
 from fbt_jax.train.trainer import Trainer
 
 N = 150  # checkpoint interval; runs go to 2N with K drawn from a mix, so K changes across step N
 COMMAND = [
-    sys.executable,
-    "-m",
-    "fbt_jax.train",
+    "fbt-train",
     "--config=configs/tiny.py",
     f"--config.train.steps={2 * N}",
     "--config.train.log_every=1",
@@ -34,62 +39,26 @@ COMMAND = [
 ]
 
 
-def env(devices=1):
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-
-
-def losses(workdir):
-    return {r["step"]: r["loss"] for r in map(json.loads, open(os.path.join(workdir, "metrics.jsonl")))}
-
-
-def saved_state(directory):
-    """All arrays of a checkpoint's train state, as numpy, in a fixed order."""
-    path = os.path.join(directory, "state")
-    checkpointer = ocp.StandardCheckpointer()
-    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # whatever topology saved it
-    target = jax.tree.map(
-        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one_device), checkpointer.metadata(path).item_metadata
-    )
-    state = checkpointer.restore(path, target)
-    return jax.tree_util.tree_flatten_with_path(jax.tree.map(np.asarray, state))[0]
-
-
-def assert_same_state(dir_a, dir_b):
-    a, b = saved_state(dir_a), saved_state(dir_b)
-    assert [p for p, _ in a] == [p for p, _ in b]
-    for (path, x), (_, y) in zip(a, b):
-        assert np.array_equal(x, y), path  # bitwise
-
-
-def wait_for(predicate, timeout=300):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise TimeoutError("condition not reached")
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("ckpt") / "uninterrupted")
-    subprocess.run([*COMMAND, f"--config.workdir={workdir}"], cwd=ROOT, env=env(), check=True, capture_output=True)
+    run_command([*COMMAND, f"--config.workdir={workdir}"], cpu_env(), check=True)
     return workdir
 
 
 def test_resume_after_sigkill_is_bitwise_identical(tmp_path, uninterrupted):
     workdir = str(tmp_path / "killed")
     command = [*COMMAND, f"--config.workdir={workdir}"]
-    proc = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_command(command, cpu_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for(lambda: os.path.exists(os.path.join(workdir, "checkpoints", str(N), "commit_success.txt")))
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
     assert max(losses(workdir)) < 2 * N, "the run finished before it could be killed"
-    resumed = subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True)
+    resumed = run_command(command, cpu_env())
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resuming from checkpoint {workdir}/checkpoints/{N} (step {N})" in resumed.stdout
-    ks = [r["num_passes"] for r in map(json.loads, open(os.path.join(workdir, "metrics.jsonl")))]
+    ks = [r["num_passes"] for r in read_jsonl(workdir)]
     assert len(set(ks[N - 5 : N + 5])) > 1  # K changes around the resume point
     expected, got = losses(uninterrupted), losses(workdir)
     assert sorted(got) == list(range(1, 2 * N + 1))  # each step logged once
@@ -100,7 +69,7 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path, uninterrupted):
 def test_sigterm_saves_the_current_step_and_the_rerun_continues(tmp_path, uninterrupted):
     workdir = str(tmp_path / "preempted")
     command = [*COMMAND, f"--config.workdir={workdir}"]
-    proc = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_command(command, cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     wait_for(lambda: os.path.exists(os.path.join(workdir, "metrics.jsonl")) and len(losses(workdir)) > 20)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
@@ -108,31 +77,17 @@ def test_sigterm_saves_the_current_step_and_the_rerun_continues(tmp_path, uninte
     stopped = int(err.split("stopped at step ")[1].split(" ")[0])
     assert os.path.exists(os.path.join(workdir, "checkpoints", str(stopped), "commit_success.txt"))
     assert max(losses(workdir)) == stopped
-    resumed = subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True)
+    resumed = run_command(command, cpu_env())
     assert resumed.returncode == 0 and f"(step {stopped})" in resumed.stdout
     expected, got = losses(uninterrupted), losses(workdir)
     assert [got[s] for s in range(stopped + 1, 2 * N + 1)] == [expected[s] for s in range(stopped + 1, 2 * N + 1)]
-
-
-def small_config(tmp_path, name="run", steps=6, mesh=(-1, 1, 1)):
-    config = load_config("tiny")
-    config.workdir = str(tmp_path / name)
-    config.train.steps = steps
-    config.train.log_every = 1
-    config.optimizer.warmup_steps = 1
-    config.passes.schedule = "0:1=0.5,2=0.5"
-    config.checkpoint.every_steps = 2
-    config.checkpoint.max_to_keep = 3
-    config.eval.num_batches = 0
-    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh
-    return config
 
 
 # The aborted read of a damaged checkpoint leaves tensorstore callbacks that fire after orbax has
 # closed its event loop ("Event loop is closed"): library noise on a path that is handled.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
-    config = small_config(tmp_path)
+    config = checkpointed_config(tmp_path)
     Trainer(config, log=lambda *_: None).train(progress=False)
     directory = os.path.join(config.workdir, "checkpoints")
     assert sorted(os.listdir(directory)) == ["2", "4", "6"]
@@ -149,18 +104,9 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     assert {"6", "8"} <= set(entries)  # training went on and saved again
 
 
-def tree_snapshot(directory):
-    """Every file under `directory` with its bytes: to prove that nothing was touched."""
-    return {
-        os.path.relpath(p, directory): open(p, "rb").read()
-        for p in glob.glob(f"{directory}/**", recursive=True)
-        if os.path.isfile(p)
-    }
-
-
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_garbled_data_file_is_damage_when_an_older_checkpoint_restores(tmp_path):
-    config = small_config(tmp_path, steps=4)
+    config = checkpointed_config(tmp_path, steps=4)
     Trainer(config, log=lambda *_: None).train(progress=False)
     directory = os.path.join(config.workdir, "checkpoints")
     data_files = [p for p in glob.glob(os.path.join(directory, "4", "state", "**", "d", "*"), recursive=True)]
@@ -179,9 +125,7 @@ def test_garbled_data_file_is_damage_when_an_older_checkpoint_restores(tmp_path)
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_no_checkpoint_restoring_touches_nothing_unless_asked_to_restart(tmp_path):
-    from fbt_jax.errors import CheckpointError
-
-    config = small_config(tmp_path, steps=2)
+    config = checkpointed_config(tmp_path, steps=2)
     Trainer(config, log=lambda *_: None).train(progress=False)
     directory = os.path.join(config.workdir, "checkpoints")
     shutil.rmtree(os.path.join(directory, "2", "state"))
@@ -199,14 +143,12 @@ def test_no_checkpoint_restoring_touches_nothing_unless_asked_to_restart(tmp_pat
 
 
 def test_restore_on_another_mesh_and_device_count(tmp_path):
-    config = small_config(tmp_path, steps=4, mesh=(2, 2, 2))
+    config = checkpointed_config(tmp_path, steps=4, mesh=(2, 2, 2))
     trainer = Trainer(config, log=lambda *_: None)
     trainer.train(progress=False)
     saved = jax.device_get(trainer.state)
-    other = small_config(tmp_path, steps=4, mesh=(4, 1, 1))
+    other = checkpointed_config(tmp_path, steps=4, mesh=(4, 1, 1))
     restored = Trainer(other, log=lambda *_: None, devices=jax.devices()[:4])
-    from fbt_jax.checkpoint import Checkpointer
-
     checkpointer = Checkpointer(os.path.join(config.workdir, "checkpoints"), other.checkpoint)
     assert restored.restore_or_init(checkpointer)[0] == 4
     checkpointer.close()
@@ -217,7 +159,7 @@ def test_restore_on_another_mesh_and_device_count(tmp_path):
 
 
 def test_incompatible_config_is_refused_and_checkpoints_untouched(tmp_path):
-    config = small_config(tmp_path, steps=2)
+    config = checkpointed_config(tmp_path, steps=2)
     Trainer(config, log=lambda *_: None).train(progress=False)
     directory = os.path.join(config.workdir, "checkpoints")
     before = {p: os.path.getmtime(p) for p in glob.glob(f"{directory}/**", recursive=True)}
@@ -228,30 +170,9 @@ def test_incompatible_config_is_refused_and_checkpoints_untouched(tmp_path):
     assert {p: os.path.getmtime(p) for p in glob.glob(f"{directory}/**", recursive=True)} == before
 
 
-def test_init_from_takes_parameters_only(tmp_path):
-    source = small_config(tmp_path, name="trunk", steps=4)
-    trunk = Trainer(source, log=lambda *_: None)
-    trunk.train(progress=False)
-    config = small_config(tmp_path, name="sweep", steps=4)
-    config.init_from = source.workdir
-    config.passes.schedule = "0:2"  # e.g. a different pass mixture on the same trunk
-    messages = []
-    sweep = Trainer(config, log=messages.append)
-    assert sweep.restore_or_init(None)[0] == 0
-    for a, b in zip(jax.tree.leaves(sweep.state.params), jax.tree.leaves(trunk.state.params)):
-        assert np.array_equal(np.asarray(a), np.asarray(b))
-    assert int(sweep.state.step) == 0
-    assert all(float(np.abs(np.asarray(m)).max()) == 0 for m in jax.tree.leaves(sweep.state.opt_state[1][0].mu))
-    assert any("initialised parameters from" in m for m in messages)
-    config.init_from = str(tmp_path / "nothing")
-    with pytest.raises(ConfigError, match="is not a directory"):
-        Trainer(config, log=lambda *_: None).restore_or_init(None)
-
-
 def test_two_processes_save_and_restore_together(tmp_path):
     workdir = str(tmp_path / "two")
     command = [
-        "bash",
         "launch/local.sh",
         "2",
         "--config=configs/tiny.py",
@@ -263,11 +184,11 @@ def test_two_processes_save_and_restore_together(tmp_path):
         "--config.checkpoint.every_steps=6",
         "--config.eval.num_batches=0",
     ]
-    subprocess.run(command, cwd=ROOT, env=env(2), check=True, capture_output=True)
+    run_command(command, cpu_env(2), check=True)
     first = losses(workdir)
     final = str(tmp_path / "final-12")
     shutil.move(os.path.join(workdir, "checkpoints", "12"), final)  # as if the run had died after step 6
-    result = subprocess.run(command, cwd=ROOT, env=env(2), capture_output=True, text=True)
+    result = run_command(command, cpu_env(2))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "(step 6)" in result.stdout
     again = losses(workdir)
@@ -276,7 +197,7 @@ def test_two_processes_save_and_restore_together(tmp_path):
 
 
 def test_changed_optimizer_is_refused_not_mistaken_for_damage(tmp_path):
-    config = small_config(tmp_path, steps=2)
+    config = checkpointed_config(tmp_path, steps=2)
     Trainer(config, log=lambda *_: None).train(progress=False)
     directory = os.path.join(config.workdir, "checkpoints")
     config.optimizer.grad_clip_norm = 0.0  # removes the clipping stage: another optimizer-state layout
@@ -286,9 +207,7 @@ def test_changed_optimizer_is_refused_not_mistaken_for_damage(tmp_path):
 
 
 def test_a_step_is_saved_once_even_when_asked_twice(tmp_path):
-    from fbt_jax.checkpoint import Checkpointer
-
-    config = small_config(tmp_path, steps=2)
+    config = checkpointed_config(tmp_path, steps=2)
     trainer = Trainer(config, log=lambda *_: None)
     trainer.init_state()
     checkpointer = Checkpointer(str(tmp_path / "ck"), config.checkpoint)
@@ -297,13 +216,3 @@ def test_a_step_is_saved_once_even_when_asked_twice(tmp_path):
     checkpointer.wait()
     assert checkpointer.steps() == [2]
     checkpointer.close()
-
-
-def test_init_from_another_model_names_the_difference(tmp_path):
-    source = small_config(tmp_path, name="trunk", steps=2)
-    Trainer(source, log=lambda *_: None).train(progress=False)
-    config = small_config(tmp_path, name="wider", steps=2)
-    config.init_from = source.workdir
-    config.model.embed_dim = 128
-    with pytest.raises(ConfigError, match=r"model.embed_dim: checkpoint 64, config 128"):
-        Trainer(config, log=lambda *_: None).restore_or_init(None)

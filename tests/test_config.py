@@ -1,24 +1,11 @@
 """Config files build and validate; every bad field stops early with one line naming it."""
 
-import importlib.util
-import os
-import subprocess
-import sys
-
 import pytest
+from conftest import load_config, set_fields
 
 from fbt_jax.config import validate_config
 from fbt_jax.errors import ConfigError
 from fbt_jax.model import ModelConfig, abstract_model, count_params
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load_config(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
 
 
 def test_tiny_config_is_valid():
@@ -79,9 +66,7 @@ BAD = [
 @pytest.mark.parametrize("overrides, message", BAD, ids=[next(iter(o)) for o, _ in BAD])
 def test_bad_config_gives_one_clear_line(overrides, message):
     config = load_config("tiny")
-    for path, value in overrides.items():
-        section, _, name = path.rpartition(".")
-        (config[section] if section else config)[name] = value
+    set_fields(config, overrides)
     with pytest.raises(ConfigError) as err:
         validate_config(config)
     assert message in str(err.value)
@@ -99,35 +84,3 @@ def test_config_files_cannot_add_misspelt_fields():
     config = load_config("tiny")
     with pytest.raises(AttributeError, match="embed_dims"):
         config.model.embed_dims = 128
-
-
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--config=configs/tiny.py", "--config.train.step=5"], "Did you mean"),
-        (["--config=configs/nope.py"], "configs/nope.py"),
-    ],
-)
-def test_cli_flag_errors_are_one_line(args, message):
-    result = subprocess.run(
-        [sys.executable, "-m", "fbt_jax.train", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("fbt-train: ") and message in lines[0], result.stderr
-
-
-def test_cli_reports_a_bad_config_as_one_line_before_compiling():
-    result = subprocess.run(
-        [sys.executable, "-m", "fbt_jax.train", "--config=configs/tiny.py", "--config.model.num_heads=5"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        "fbt-train: config error: model.num_heads=5 does not divide model.embed_dim=64; "
-        "choose heads so that embed_dim % num_heads == 0"
-    ]
-    assert "compiled" not in result.stdout

@@ -4,21 +4,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import small_model_config
 
 from fbt_jax import decode
 from fbt_jax.errors import ConfigError
 from fbt_jax.feedback import feedback_inputs, kpass_forward, sequential_feedback
 from fbt_jax.layers import default_positions
-from fbt_jax.model import build_model
 
 T = 12
 LENGTHS = np.array([3, 7, 5])
 
 
 @pytest.fixture(scope="module")
-def model():
-    return build_model(small_model_config(), seed=0)
+def model(small_model):
+    return small_model
 
 
 @pytest.fixture(scope="module")

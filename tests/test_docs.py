@@ -10,11 +10,9 @@ import glob
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
-from test_config import ROOT
+from conftest import ROOT, cpu_env, run_command
 
 DOCS = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]
 NEEDS = re.compile(r"#\s*needs:\s*\S")
@@ -85,6 +83,21 @@ RUNS = [
     ),
     ("docs/launch.md", "fbt-train --config=configs/fbt_1b.py --config.dry_run=True", "", "dry run complete"),
     (
+        "docs/sweeps.md",
+        "fbt-sweep run configs/sweeps/tiny_mixtures.py",
+        "--override=train.steps=60 --override=optimizer.warmup_steps=5 --override=checkpoint.every_steps=20 "
+        "--override=eval.every_steps=20 --parallel=2",
+        "done; next: fbt-sweep report",
+    ),
+    ("docs/sweeps.md", "fbt-sweep status", "", "schedule=paper,seed=1"),
+    ("docs/sweeps.md", "fbt-sweep report", "", "results.md"),
+    (
+        "docs/sweeps.md",
+        'fbt-sweep print configs/sweeps/tiny_mixtures.py --dir=runs/sweeps/tpu --launcher=tpu_pod --launcher-args="my-v5p-128 us-east5-a"',
+        "",
+        "launch/tpu_pod.sh my-v5p-128 us-east5-a --config=",
+    ),
+    (
         "docs/launch.md",
         "launch/local.sh 2 --config=configs/tiny.py --config.workdir=runs/local2",
         "--config.train.steps=60",
@@ -99,7 +112,16 @@ RUNS = [
     ("docs/launch.md", "DRY_RUN=1 bash launch/slurm_gpu.sbatch --config=configs/fbt_1b.py", "", "srun"),
 ]
 # What those commands create in the checkout (kept aside beforehand, removed afterwards).
-CREATED = ["runs/tiny", "runs/schedule", "runs/text", "runs/local2", "prepared/email-128", "prompts.txt", "gen.jsonl"]
+CREATED = [
+    "runs/tiny",
+    "runs/schedule",
+    "runs/text",
+    "runs/local2",
+    "runs/sweeps",
+    "prepared/email-128",
+    "prompts.txt",
+    "gen.jsonl",
+]
 
 
 def documented_commands():
@@ -196,19 +218,12 @@ def checkout_outputs():
             os.rmdir(os.path.join(ROOT, d))
 
 
-def cli_env():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    env.pop("XLA_FLAGS", None)  # the commands run as a user runs them: one CPU device
-    return env
-
-
 @pytest.mark.slow
 def test_documented_commands_work_as_written(checkout_outputs):
     for doc, command, append, expected in RUNS:
         line = f"{command} {append}".strip() if "#" not in command else command.replace("#", f"{append} #", 1)
-        result = subprocess.run(
-            ["bash", "-c", line], cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=900
-        )
+        # As a user runs it: one CPU device (no XLA_FLAGS), this environment's commands on PATH.
+        result = run_command(["bash", "-c", line], cpu_env(None), timeout=900)
         output = result.stdout + result.stderr
         assert result.returncode == 0, f"{doc}: `{line}` failed ({result.returncode}):\n{output[-3000:]}"
         assert expected in output, f"{doc}: `{line}` did not print {expected!r}:\n{output[-3000:]}"
@@ -222,7 +237,7 @@ def test_first_command_from_another_directory_with_relative_paths(tmp_path):
     """Relative paths are relative to where the command starts, whatever the command does later."""
 
     def run(*args):
-        return subprocess.run(list(args), cwd=tmp_path, env=cli_env(), capture_output=True, text=True)
+        return run_command(list(args), cpu_env(None), cwd=tmp_path)
 
     train = [
         "fbt-train",

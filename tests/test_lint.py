@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from test_config import ROOT
+from conftest import ROOT
 
 
 def test_ruff_is_clean():

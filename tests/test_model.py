@@ -1,4 +1,4 @@
-"""The transformer stack: logical axes, grouped KV heads, init scales, dtypes, segments."""
+"""The transformer stack: logical axes, init scales, dtypes, segments, scanned layers and remat."""
 
 import math
 
@@ -26,24 +26,6 @@ def test_every_parameter_has_logical_axis_names(small_model):
     specs = nnx.get_partition_spec(params)
     assert tuple(specs["embedding_VD"]) == ("vocab", "embed")
     assert tuple(specs["blocks"][0]["mlp"]["down_FD"]) == ("mlp", "embed")
-
-
-def test_grouped_kv_heads_equal_full_attention_with_repeated_kv():
-    gqa = build_model(small_model_config(num_heads=4, num_kv_heads=2), seed=0)
-    mha = build_model(small_model_config(num_heads=4, num_kv_heads=4), seed=1)
-    _, gqa_params = nnx.split(gqa, nnx.Param)
-    mha_graph, mha_params = nnx.split(mha, nnx.Param)
-    mha_params = jax.tree.map(lambda x: x, gqa_params)  # same values everywhere ...
-    for i in range(2):  # ... except k/v: head n of the MHA model copies kv head n // 2
-        attn = mha_params["blocks"][i]["attn"]
-        for name in ("k_DGH", "v_DGH"):
-            attn[name] = nnx.Param(jnp.repeat(attn[name][...], 2, axis=1))
-    mha = nnx.merge(mha_graph, mha_params)
-    tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 8), 0, 16)
-    p_B = jnp.array([1, 3])
-    a = kpass_forward(gqa, tokens, p_B, 2)[-1]
-    b = kpass_forward(mha, tokens, p_B, 2)[-1]
-    assert float(jnp.max(jnp.abs(a - b))) <= 1e-5
 
 
 def test_residual_outputs_are_depth_scaled():
@@ -99,12 +81,6 @@ def test_segments_do_not_attend_to_each_other(small_model):
     h_b = kpass_forward(small_model, b, p_B, 3)[-1]
     assert float(jnp.max(jnp.abs(h_packed[:, :5] - h_a))) <= 1e-5
     assert float(jnp.max(jnp.abs(h_packed[:, 5:] - h_b))) <= 1e-5
-
-
-def test_attention_mask_is_causal_and_segmented():
-    positions = jnp.arange(4)[None]
-    mask = model_lib.attention_mask(positions, jnp.array([[1, 1, 2, 2]]))[0, 0]
-    assert np.array_equal(np.asarray(mask), np.array([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]], bool))
 
 
 def _stacked(pure):

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from test_config import ROOT
+from conftest import cpu_env, read_jsonl, run_command, start_command
 
 STEPS = 12
 ARGS = [
@@ -20,27 +20,13 @@ ARGS = [
 ]
 
 
-def cpu_env(devices):
-    env = dict(os.environ)
-    env["JAX_PLATFORMS"] = "cpu"
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    return env
-
-
-def metrics(workdir):
-    return [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
-
-
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("mp") / "two")
-    result = subprocess.run(
-        ["bash", "launch/local.sh", "--devices-per-process", "2", "2", *ARGS, f"--config.workdir={workdir}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    result = run_command(
+        ["launch/local.sh", "--devices-per-process", "2", "2", *ARGS, f"--config.workdir={workdir}"],
+        cpu_env(2),
         timeout=600,
-        env=cpu_env(2),
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return workdir, result
@@ -49,25 +35,18 @@ def two_process_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def one_process_run(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("mp") / "one")
-    result = subprocess.run(
-        [sys.executable, "-m", "fbt_jax.train", *ARGS, f"--config.workdir={workdir}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=cpu_env(4),
-    )
+    result = run_command(["fbt-train", *ARGS, f"--config.workdir={workdir}"], cpu_env(4), timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return workdir
 
 
 def test_two_processes_match_one_process_with_the_same_devices(two_process_run, one_process_run):
-    two, one = metrics(two_process_run[0]), metrics(one_process_run)
+    two, one = read_jsonl(two_process_run[0]), read_jsonl(one_process_run)
     assert [r["step"] for r in two] == list(range(1, STEPS + 1))
     assert [r["num_passes"] for r in two] == [r["num_passes"] for r in one]
     np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=2e-5)
-    ev_two = json.loads(open(os.path.join(two_process_run[0], "eval.jsonl")).readlines()[-1])
-    ev_one = json.loads(open(os.path.join(one_process_run, "eval.jsonl")).readlines()[-1])
+    ev_two = read_jsonl(two_process_run[0], "eval.jsonl")[-1]
+    ev_one = read_jsonl(one_process_run, "eval.jsonl")[-1]
     for key in ("loss_K1", "loss_K2", "loss_K3"):
         assert ev_two[key] == pytest.approx(ev_one[key], rel=2e-5)
     assert "in 2 process(es)" in two_process_run[1].stdout
@@ -94,11 +73,9 @@ def test_processes_that_would_draw_different_passes_fail_instead_of_hanging(tmp_
         check=True,
     ).stdout.strip()
     procs = [
-        subprocess.Popen(
+        start_command(
             [
-                sys.executable,
-                "-m",
-                "fbt_jax.train",
+                "fbt-train",
                 *ARGS,
                 f"--config.workdir={tmp_path / 'mismatch'}",
                 f"--config.seed={seed}",
@@ -106,11 +83,9 @@ def test_processes_that_would_draw_different_passes_fail_instead_of_hanging(tmp_
                 "--config.distributed.num_processes=2",
                 f"--config.distributed.process_id={i}",
             ],
-            cwd=ROOT,
+            cpu_env(2),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            text=True,
-            env=cpu_env(2),
         )
         for i, seed in enumerate((0, 1))
     ]
@@ -122,34 +97,21 @@ def test_processes_that_would_draw_different_passes_fail_instead_of_hanging(tmp_
 
 
 def test_launchers_print_their_commands_in_dry_run_mode():
-    local = subprocess.run(
-        ["bash", "launch/local.sh", "--dry-run", "3", "--config=configs/tiny.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
+    local = run_command(
+        ["launch/local.sh", "--dry-run", "3", "--config=configs/tiny.py"], check=True
     ).stdout.splitlines()
     assert len(local) == 3
     for i, line in enumerate(local):
         assert f"--config.distributed.process_id={i}" in line and "--config.distributed.num_processes=3" in line
         assert "xla_force_host_platform_device_count=2" in line and "--config=configs/tiny.py" in line
-    tpu = subprocess.run(
-        ["bash", "launch/tpu_pod.sh", "--dry-run", "my-tpu", "us-east5-a", "--config=configs/fbt_1b.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
+    tpu = run_command(
+        ["launch/tpu_pod.sh", "--dry-run", "my-tpu", "us-east5-a", "--config=configs/fbt_1b.py"], check=True
     ).stdout
     assert "gcloud compute tpus tpu-vm ssh my-tpu --zone us-east5-a --worker=all" in tpu
     assert "fbt-train" in tpu and "configs/fbt_1b.py" in tpu
-    slurm = subprocess.run(
-        ["bash", "launch/slurm_gpu.sbatch", "--config=configs/fbt_1b.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**os.environ, "DRY_RUN": "1"},
+    slurm = run_command(
+        ["launch/slurm_gpu.sbatch", "--config=configs/fbt_1b.py"], {**os.environ, "DRY_RUN": "1"}, check=True
     ).stdout
     assert "srun --kill-on-bad-exit=1 fbt-train --config=configs/fbt_1b.py --config.distributed.mode=always" in slurm
-    bad = subprocess.run(["bash", "launch/local.sh", "zero"], cwd=ROOT, capture_output=True, text=True)
+    bad = run_command(["launch/local.sh", "zero"])
     assert bad.returncode == 2 and "usage: launch/local.sh" in bad.stderr

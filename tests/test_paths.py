@@ -4,12 +4,10 @@ the cloud storage layer (exercised against a local stand-in for the Cloud Storag
 import http.server
 import json
 import os
-import subprocess
-import sys
 import threading
 
 import pytest
-from test_config import ROOT, load_config
+from conftest import ROOT, cpu_env, load_config, run_command
 
 from fbt_jax import paths
 from fbt_jax.errors import ConfigError
@@ -92,19 +90,10 @@ def cloud():
 
 
 def test_a_gs_workdir_reaches_cloud_storage_and_a_missing_bucket_is_one_line(cloud, tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "STORAGE_EMULATOR_HOST": cloud.url}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fbt_jax.train",
-            f"--config={ROOT}/configs/tiny.py",
-            "--config.workdir=gs://fbt-no-bucket/run",
-        ],
+    result = run_command(
+        ["fbt-train", f"--config={ROOT}/configs/tiny.py", "--config.workdir=gs://fbt-no-bucket/run"],
+        cpu_env(8, STORAGE_EMULATOR_HOST=cloud.url),
         cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert result.returncode == 2, result.stderr[-2000:]
@@ -121,13 +110,10 @@ def test_a_gs_workdir_reaches_cloud_storage_and_a_missing_bucket_is_one_line(clo
 def test_fbt_prepare_to_a_missing_bucket_is_one_line(cloud, tmp_path):
     corpus = tmp_path / "doc.txt"
     corpus.write_text("some text " * 100)
-    env = {**os.environ, "STORAGE_EMULATOR_HOST": cloud.url}
-    result = subprocess.run(
+    result = run_command(
         ["fbt-prepare", f"--input={corpus}", "--output=gs://fbt-no-bucket/prepared", "--seq-len=16"],
+        cpu_env(8, STORAGE_EMULATOR_HOST=cloud.url),
         cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert result.returncode == 2 and "bucket gs://fbt-no-bucket does not exist" in result.stderr, result.stderr

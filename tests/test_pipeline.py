@@ -1,120 +1,16 @@
-"""Prepared text and TFDS sources, packing, per-process streams, resume, and bad inputs."""
+"""The data pipeline: per-process streams, resume, text (prepared on first use) and TFDS sources,
+and bad data inputs."""
 
-import json
-import os
 import subprocess
 import sys
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import small_model_config
-from test_config import ROOT, load_config
+from conftest import load_config, set_fields, text_config
 
 from fbt_jax.data import records
-from fbt_jax.data.documents import is_validation, read_documents, text_files
-from fbt_jax.data.packing import pack_documents, record_to_example
 from fbt_jax.data.pipeline import StepBatches, batch_iterator, make_source
 from fbt_jax.errors import ConfigError
-from fbt_jax.feedback import kpass_forward
-from fbt_jax.model import build_model
-
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
-
-
-def write_corpus(directory, num_docs=60, seed=0):
-    rng = np.random.default_rng(seed)
-    os.makedirs(directory, exist_ok=True)
-    docs = [" ".join(rng.choice(WORDS, size=rng.integers(3, 60))) for _ in range(num_docs)]
-    with open(os.path.join(directory, "docs.jsonl"), "w") as f:
-        for doc in docs[: num_docs // 2]:
-            f.write(json.dumps({"text": doc}) + "\n")
-    for i, doc in enumerate(docs[num_docs // 2 :]):
-        with open(os.path.join(directory, f"doc{i}.txt"), "w") as f:
-            f.write(doc)
-    return docs
-
-
-def text_config(tmp_path, path, seq_len=32):
-    config = load_config("tiny")
-    config.workdir = str(tmp_path / "run")
-    config.data.source = "text"
-    config.data.path = str(path)
-    config.data.seq_len = seq_len
-    config.data.validation_fraction = 0.2
-    config.model.vocab_size = 257
-    return config
-
-
-def test_packing_keeps_every_token_once_and_restarts_segments():
-    rng = np.random.default_rng(0)
-    docs = [rng.integers(1, 50, size=n) for n in (3, 17, 5, 40, 1, 8, 12)]
-    recs = list(pack_documents(docs, seq_len=15))
-    assert all(r.shape == (2, 16) for r in recs)
-    tokens = np.concatenate([r[0][r[1] > 0] for r in recs])
-    assert np.array_equal(tokens, np.concatenate(docs))  # every token once, in order
-    for r in recs:
-        ex = record_to_example(r)
-        seg = r[1]
-        for t in range(15):
-            if seg[t] == 0:
-                assert ex["weights"][t] == 0  # padding never scored
-            elif t == 0 or seg[t] != seg[t - 1]:
-                assert ex["positions"][t] == 0  # positions restart at each document
-            else:
-                assert ex["positions"][t] == ex["positions"][t - 1] + 1
-            assert ex["weights"][t] == float(seg[t] > 0 and seg[t + 1] == seg[t])  # never across documents
-        assert np.array_equal(ex["targets"], r[0][1:])
-
-
-def test_packed_documents_do_not_see_each_other_in_the_model():
-    model = build_model(small_model_config(), seed=0)
-    a, b = np.arange(1, 6), np.arange(7, 14)
-    (record,) = list(pack_documents([a, b], seq_len=12))
-    ex = record_to_example(record)
-    batch = {k: jnp.asarray(v)[None] for k, v in ex.items()}
-    p = jnp.array([2])
-    h = kpass_forward(
-        model, batch["inputs"], p, 3, positions_BT=batch["positions"], segment_ids_BT=batch["segment_ids"]
-    )[-1]
-    alone_a = kpass_forward(model, jnp.asarray(a)[None], p, 3)[-1]
-    alone_b = kpass_forward(model, jnp.asarray(b[:-1])[None], p, 3)[-1]  # b's last token is only a target
-    assert float(jnp.max(jnp.abs(h[:, :5] - alone_a))) <= 1e-5
-    assert float(jnp.max(jnp.abs(h[:, 5:11] - alone_b))) <= 1e-5
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    corpus = tmp_path_factory.mktemp("corpus")
-    docs = write_corpus(corpus)
-    out = str(tmp_path_factory.mktemp("prep") / "records")
-    result = subprocess.run(
-        ["fbt-prepare", f"--input={corpus}/*", f"--output={out}", "--seq-len=32", "--validation-fraction=0.2"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stderr
-    return corpus, out, docs
-
-
-def test_prepared_splits_hold_every_document_once_and_never_overlap(prepared):
-    corpus, out, _ = prepared
-    meta = records.read_meta(out)
-    expected = list(read_documents(text_files(f"{corpus}/*")))
-    for split in ("train", "validation"):
-        source = records.PackedRecords(out, split)
-        assert meta["records"][split] == len(source)
-        stream = np.concatenate(
-            [tokens[segments > 0] for tokens, segments in (source._record(i) for i in range(len(source)))]
-        )
-        documents = [
-            bytes(piece[:-1].tolist()).decode() for piece in np.split(stream, np.flatnonzero(stream == 256) + 1)[:-1]
-        ]
-        held_out = split == "validation"
-        assert documents == [d for d in expected if is_validation(d, 0.2) == held_out]
-    assert meta["documents"]["train"] + meta["documents"]["validation"] == len(expected)
-    assert 0 < meta["documents"]["validation"] < len(expected)
 
 
 @pytest.mark.parametrize("num_processes", [2, 4])
@@ -235,34 +131,7 @@ def test_bad_data_inputs_give_one_clear_line(tmp_path, prepared, overrides, mess
     (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00abc")
     config = text_config(tmp_path, f"{corpus}/*")
     special = {"EMPTY": str(tmp_path / "empty.txt"), "BINARY": str(tmp_path / "binary.txt"), "TMP": str(tmp_path)}
-    for path, value in overrides.items():
-        section, name = path.split(".")
-        config[section][name] = special.get(value, value) if isinstance(value, str) else value
+    set_fields(config, {path: special.get(v, v) if isinstance(v, str) else v for path, v in overrides.items()})
     with pytest.raises(ConfigError) as err:
         Trainer(config, log=lambda *_: None)
     assert message in str(err.value) and "\n" not in str(err.value)
-
-
-def test_sentencepiece_tokenizer_by_path(tmp_path, prepared):
-    import sentencepiece
-
-    corpus, _, _ = prepared
-    sentencepiece.SentencePieceTrainer.train(
-        input=str(corpus / "doc0.txt"),
-        model_prefix=str(tmp_path / "sp"),
-        vocab_size=40,
-        character_coverage=1.0,
-        model_type="bpe",
-        minloglevel=2,
-    )
-    config = text_config(tmp_path, f"{corpus}/*")
-    config.data.tokenizer = str(tmp_path / "sp.model")
-    config.model.vocab_size = 32
-    from fbt_jax.train.trainer import Trainer
-
-    with pytest.raises(ConfigError, match="smaller than the data's vocabulary"):
-        Trainer(config, log=lambda *_: None)
-    config.model.vocab_size = 64
-    source = make_source(config, "train")
-    assert source.meta["tokenizer"].endswith("sp.model") and source.vocab_size <= 64
-    assert 0 < int(source.example(0)["inputs"].max()) < source.vocab_size

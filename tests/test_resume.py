@@ -1,24 +1,19 @@
 """Resume from anything: SIGKILL at seeded random moments (one during an asynchronous save) and
 resuming on another process count and mesh shape give the uninterrupted run's losses and state."""
 
-import json
 import os
 import random
 import shutil
 import signal
 import subprocess
-import sys
 
 import numpy as np
 import pytest
-from test_checkpoint import assert_same_state, env, losses, wait_for
-from test_config import ROOT
+from conftest import assert_same_state, cpu_env, losses, read_jsonl, run_command, start_command, wait_for
 
 STEPS, EVERY = 120, 10
 COMMAND = [
-    sys.executable,
-    "-m",
-    "fbt_jax.train",
+    "fbt-train",
     "--config=configs/tiny.py",
     f"--config.train.steps={STEPS}",
     "--config.train.log_every=1",
@@ -43,7 +38,7 @@ def saving_now(workdir):
 @pytest.mark.slow
 def test_sigkill_at_random_moments_resumes_bitwise(tmp_path):
     reference = str(tmp_path / "reference")
-    subprocess.run([*COMMAND, f"--config.workdir={reference}"], cwd=ROOT, env=env(), check=True, capture_output=True)
+    run_command([*COMMAND, f"--config.workdir={reference}"], cpu_env(), check=True)
     workdir = str(tmp_path / "killed")
     command = [*COMMAND, f"--config.workdir={workdir}"]
     rng = random.Random(20261201)
@@ -54,9 +49,7 @@ def test_sigkill_at_random_moments_resumes_bitwise(tmp_path):
     killed_at = []
     for moment in moments:
         start = logged_steps(workdir)
-        proc = subprocess.Popen(
-            command, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-        )
+        proc = start_command(command, cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         if moment == "during-save":
             wait_for(lambda s=start: saving_now(workdir) and logged_steps(workdir) > s, timeout=600)
         else:
@@ -66,7 +59,7 @@ def test_sigkill_at_random_moments_resumes_bitwise(tmp_path):
         killed_at.append((moment, logged_steps(workdir)))
         resumed_from = [line for line in out.splitlines() if line.startswith("resuming from checkpoint")]
         assert start == 0 or resumed_from, out[-2000:]  # every later life resumed
-    final = subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True)
+    final = run_command(command, cpu_env())
     assert final.returncode == 0, final.stderr[-2000:]
     assert "resuming from checkpoint" in final.stdout
     names = os.listdir(os.path.join(workdir, "checkpoints"))
@@ -74,7 +67,7 @@ def test_sigkill_at_random_moments_resumes_bitwise(tmp_path):
     expected, got = losses(reference), losses(workdir)
     assert sorted(got) == list(range(1, STEPS + 1))  # every step logged once
     assert got == expected, f"losses differ after kills at {killed_at}"  # bitwise
-    ks = [r["num_passes"] for r in map(json.loads, open(os.path.join(workdir, "metrics.jsonl")))]
+    ks = [r["num_passes"] for r in read_jsonl(workdir)]
     assert len(set(ks)) == 3
     assert_same_state(f"{reference}/checkpoints/{STEPS}", f"{workdir}/checkpoints/{STEPS}")
     print(f"killed at (moment, logged steps): {killed_at}")
@@ -90,38 +83,22 @@ ELASTIC = [
 ]
 
 
-def one_process(workdir, steps, mesh):
+def elastic_args(workdir, steps, mesh):
     data, fsdp, tensor = mesh
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fbt_jax.train",
-            *ELASTIC,
-            f"--config.workdir={workdir}",
-            f"--config.train.steps={steps}",
-        ]
-        + [f"--config.mesh.data={data}", f"--config.mesh.fsdp={fsdp}", f"--config.mesh.tensor={tensor}"],
-        cwd=ROOT,
-        env=env(8),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    return [*ELASTIC, f"--config.workdir={workdir}", f"--config.train.steps={steps}"] + [
+        f"--config.mesh.data={data}",
+        f"--config.mesh.fsdp={fsdp}",
+        f"--config.mesh.tensor={tensor}",
+    ]
+
+
+def one_process(workdir, steps, mesh):
+    return run_command(["fbt-train", *elastic_args(workdir, steps, mesh)], cpu_env(8), timeout=900)
 
 
 def two_processes(workdir, steps, mesh):
-    data, fsdp, tensor = mesh
-    return subprocess.run(
-        ["bash", "launch/local.sh", "--devices-per-process", "4", "2", *ELASTIC, f"--config.workdir={workdir}"]
-        + [f"--config.train.steps={steps}", f"--config.mesh.data={data}", f"--config.mesh.fsdp={fsdp}"]
-        + [f"--config.mesh.tensor={tensor}"],
-        cwd=ROOT,
-        env=env(4),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    launch = ["launch/local.sh", "--devices-per-process", "4", "2"]
+    return run_command([*launch, *elastic_args(workdir, steps, mesh)], cpu_env(4), timeout=900)
 
 
 @pytest.mark.slow
@@ -146,8 +123,8 @@ def test_elastic_resume_across_process_counts_and_mesh_shapes(tmp_path):
         assert "resume: changed mesh." in result.stdout  # the new mesh is reported, and allowed
         got = losses(workdir)
         assert sorted(got) == list(range(1, 13))
-        ks_expected = [r["num_passes"] for r in map(json.loads, open(os.path.join(reference, "metrics.jsonl")))]
-        ks_got = [r["num_passes"] for r in map(json.loads, open(os.path.join(workdir, "metrics.jsonl")))]
+        ks_expected = [r["num_passes"] for r in read_jsonl(reference)]
+        ks_got = [r["num_passes"] for r in read_jsonl(workdir)]
         assert ks_got == ks_expected  # the same K for every step
         # Same global batches in the same order: the losses match a one-process run to float
         # tolerance (other meshes sum in another order; bitwise equality is not expected).

@@ -21,7 +21,7 @@ from fbt_jax.errors import PREEMPTED_EXIT_CODE, ArgumentParser, ConfigError, rep
 from fbt_jax.sweep import executors
 from fbt_jax.sweep.plan import plan
 from fbt_jax.sweep.report import write_report
-from fbt_jax.sweep.spec import load_sweep
+from fbt_jax.sweep.spec import load_sweep, parse_override
 from fbt_jax.sweep.state import SweepDirectory
 
 PROG = "fbt-sweep"
@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--launcher-args", default="", help="print: the launcher's own arguments")
     parser.add_argument("--sbatch-args", default="", help="slurm: extra sbatch arguments (resources)")
     parser.add_argument("--no-submit", action="store_true", help="slurm: write the scripts only")
+    parser.add_argument(
+        "--override", action="append", default=[], help="FIELD=VALUE for every run (repeatable), e.g. train.steps=100"
+    )
     parser.add_argument("--min-shared-steps", type=int, default=None, help="shortest trunk worth a job")
     with reported(PROG):
         args = parser.parse_args(argv)
@@ -55,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
 def run(args) -> int:
     if not args.spec:
         raise ConfigError(f"{args.command} needs the sweep spec: fbt-sweep {args.command} configs/sweeps/<name>.py")
-    sweep = load_sweep(paths.resolve(args.spec, "spec"))
+    sweep = load_sweep(paths.resolve(args.spec, "spec"), dict(parse_override(o) for o in args.override))
     sweep_dir = SweepDirectory(paths.resolve(args.dir or os.path.join(DEFAULT_ROOT, sweep.name), "--dir"), sweep.name)
     sweep_dir.check_same_spec(sweep)  # before anything is written
     jobs = plan(sweep, sweep_dir.directory, args.min_shared_steps)

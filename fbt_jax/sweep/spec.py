@@ -67,8 +67,9 @@ def load_python(path: str, function: str, what: str) -> Any:
         raise ConfigError(f"{what} {path}: {function}() failed ({type(err).__name__}: {err})") from None
 
 
-def load_sweep(path: str) -> Sweep:
-    """Expand and validate the sweep spec at `path` (every run's config is validated)."""
+def load_sweep(path: str, extra_overrides: dict[str, Any] | None = None) -> Sweep:
+    """Expand and validate the sweep spec at `path` (every run's config is validated);
+    `extra_overrides` apply to every run after the spec's own (fbt-sweep --override)."""
     path = os.path.abspath(path)
     spec = load_python(path, "get_sweep", "sweep spec")
     if not isinstance(spec, dict):
@@ -99,7 +100,7 @@ def load_sweep(path: str) -> Sweep:
             overrides[field] = value
         run_name = ",".join(f"{axis}={label}" for axis, label in labels.items())
         config = load_python(base_path, "get_config", "run config")
-        for field, value in {**dict(spec.get("overrides", {}) or {}), **overrides}.items():
+        for field, value in {**dict(spec.get("overrides", {}) or {}), **overrides, **(extra_overrides or {})}.items():
             _set(config, field, value, path)
         try:
             validate_config(config)
@@ -114,6 +115,18 @@ def load_sweep(path: str) -> Sweep:
         )
     text = json.dumps([[r.name, json.loads(r.config.to_json_best_effort())] for r in runs], sort_keys=True)
     return Sweep(name, path, runs, hashlib.blake2b(text.encode(), digest_size=12).hexdigest())
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`FIELD=VALUE` from the command line; VALUE is read as JSON when it parses (numbers, true,
+    lists), else taken as a string."""
+    field, sep, value = text.partition("=")
+    if not sep or not field:
+        raise ConfigError(f"--override={text!r} is not FIELD=VALUE; e.g. --override=train.steps=100")
+    try:
+        return field, json.loads(value)
+    except ValueError:
+        return field, value
 
 
 def _axes(spec: dict[str, Any], path: str) -> list[tuple[str, list[tuple[str, Any]]]]:

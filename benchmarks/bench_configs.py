@@ -1,0 +1,34 @@
+"""The configs the benchmarks measure: configs/tiny.py and configs/fbt_1b.py as they are, and the
+tiny config with a CPU-sized model (the task, optimizer and schedule stay tiny's)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs"))
+
+from fbt_1b import get_config as fbt_1b_config  # noqa: E402
+from tiny import get_config as tiny_config  # noqa: E402
+
+__all__ = ["cpu_medium_config", "fbt_1b_config", "sized_config", "tiny_config"]
+
+
+def sized_config(seq_len: int | None = None, batch_size: int | None = None, **model):
+    """configs/tiny.py with the model fields in `model` (e.g. embed_dim=256) and, where given,
+    another sequence length and batch size."""
+    c = tiny_config()
+    for name, value in model.items():
+        c.model[name] = value
+    if seq_len is not None:
+        c.data.seq_len = seq_len
+    if batch_size is not None:
+        c.train.batch_size = batch_size
+    return c
+
+
+def cpu_medium_config():
+    """D=256, L=4 on batches of 8 × 128 tokens: the bigger CPU model of step_cost and data_throughput."""
+    return sized_config(
+        seq_len=128, batch_size=8, embed_dim=256, num_layers=4, num_heads=8, num_kv_heads=4, mlp_dim=1024
+    )

@@ -1,0 +1,76 @@
+"""The training loop's hooks: the logger stops a diverged run before anything diverged is saved, a
+failed save stops the run with the previous checkpoint intact, SIGINT saves like SIGTERM."""
+
+import os
+import resource
+import signal
+import subprocess
+
+import jax
+import numpy as np
+import pytest
+from conftest import checkpointed_config, cpu_env, losses, run_command, run_config, start_command, train_argv, wait_for
+
+from fbt_jax.checkpoint import Checkpointer
+from fbt_jax.errors import PREEMPTED_EXIT_CODE
+from fbt_jax.train.trainer import Trainer
+
+
+def test_divergence_stops_with_a_clear_error(tmp_path):
+    config = run_config(tmp_path, "diverge", schedule="0:2")
+    config.optimizer.learning_rate = 1e38
+    config.optimizer.grad_clip_norm = 0.0
+    with pytest.raises(FloatingPointError, match="(loss nan|gradient norm nan) at step [0-9]+ \\(K=2\\)"):
+        Trainer(config, log=lambda *_: None).train(progress=False)
+    assert os.path.exists(os.path.join(config.workdir, "metrics.jsonl"))
+
+
+def test_divergence_stops_before_saving_and_keeps_the_last_finite_checkpoints(tmp_path):
+    config = checkpointed_config(tmp_path, steps=20)
+    config.checkpoint.every_steps = 1
+    config.checkpoint.max_to_keep = 2
+    config.optimizer.learning_rate = 1e30  # parameters of 1e30 overflow the next forward pass
+    with pytest.raises(FloatingPointError, match="nothing after step") as err:
+        Trainer(config, log=lambda *_: None).train(progress=False)
+    directory = os.path.join(config.workdir, "checkpoints")
+    steps = sorted(int(s) for s in os.listdir(directory) if s.isdigit())
+    diverged_at = int(str(err.value).split(" at step ")[1].split(" ")[0])
+    assert steps and max(steps) < diverged_at  # the diverged step was not saved ...
+    for step in steps:  # ... and what was saved is finite
+        checkpointer = Checkpointer(directory, config.checkpoint)
+        trainer = Trainer(config, log=lambda *_: None)
+        restored = checkpointer._restore_step(step, trainer.programs.sharded_abstract_state(), config)
+        checkpointer.close()
+        assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(restored.state))
+
+
+def test_a_failed_save_stops_the_run_and_the_previous_checkpoint_stays_valid(tmp_path):
+    workdir = str(tmp_path / "full")
+    command = train_argv(workdir, "--config.checkpoint.every_steps=2")
+    run_command([*command, "--config.train.steps=2"], cpu_env(), check=True)
+
+    def small_disk():  # files may not grow past 100 kB: a checkpoint's data files need more
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    full = run_command([*command, "--config.train.steps=200"], cpu_env(), preexec_fn=small_disk)
+    lines = [line for line in full.stderr.splitlines() if line.startswith("fbt-train:")]
+    assert full.returncode == 5, full.stderr[-2000:]
+    assert "Traceback" not in full.stderr
+    assert len(lines) == 1 and "saving checkpoint 4" in lines[0] and "step 2, is intact" in lines[0]
+    assert max(losses(workdir)) <= 6  # stopped at the next save, which waits for the failed one
+    resumed = run_command([*command, "--config.train.steps=6"], cpu_env())
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "(step 2)" in resumed.stdout  # the checkpoint before the failure restored
+
+
+def test_sigint_saves_and_exits_like_sigterm(tmp_path):
+    workdir = str(tmp_path / "interrupted")
+    command = train_argv(workdir, "--config.train.steps=100000", "--config.checkpoint.every_steps=100000")
+    proc = start_command(command, cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for(lambda: os.path.exists(os.path.join(workdir, "metrics.jsonl")) and len(losses(workdir)) > 5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == PREEMPTED_EXIT_CODE, err[-2000:]
+    assert "Traceback" not in err
+    stopped = int(err.split("stopped at step ")[1].split(" ")[0])
+    assert os.path.exists(os.path.join(workdir, "checkpoints", str(stopped), "commit_success.txt"))
