@@ -145,15 +145,15 @@ def kpass_loss(
     num_passes: int,
     options: PassOptions = PassOptions(),
     noise_rng: jax.Array | None = None,
-    row_ids_B: jax.Array | None = None,
+    *,
     weight_total: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The K-pass objective: Σ_k w_k · NTP(Hᵏ) / Σ_k w_k, with per-pass losses as metrics.
 
     `batch` holds `inputs`, `targets`, `weights` (B, T) and optionally `positions`/`segment_ids`.
     Gradients of later passes flow into earlier passes' states unless `options.stop_gradient`.
-    For a microbatch, `row_ids_B` are its rows in the global batch and `weight_total` the global
-    batch's summed weight: the microbatches' losses (and gradients) then add up to the batch's.
+    For a microbatch, `batch["rows"]` are its rows in the global batch and `weight_total` the
+    global batch's summed weight: the microbatches' losses (and gradients) add up to the batch's.
     """
     states = kpass_forward(
         model,
@@ -164,7 +164,7 @@ def kpass_loss(
         noise_rng,
         batch.get("positions"),
         batch.get("segment_ids"),
-        row_ids_B,
+        batch.get("rows"),
     )
 
     def pass_loss(h_BTD: jax.Array) -> jax.Array:

@@ -1,6 +1,8 @@
 """Token losses against a direct numpy computation: masked targets (any filler id) count nothing,
 sums and weights give exact means, and the readout's correct count is a count of argmax hits."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,7 +36,9 @@ def numpy_nll_BT(logits, targets, weights):
 
 
 class Readout:
-    """A stand-in model whose readout of the states is the states themselves."""
+    """A stand-in model whose readout of the states is the states themselves (not chunked)."""
+
+    cfg = types.SimpleNamespace(loss_chunk_size=0)
 
     def logits(self, h_BTD):
         return h_BTD

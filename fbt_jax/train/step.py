@@ -95,11 +95,9 @@ def train_step(
 
     def loss_fn(params: nnx.State, part: dict[str, jax.Array], weight_total: jax.Array | None) -> tuple:
         model = nnx.merge(graphdef, params)
-        examples = {k: v for k, v in part.items() if k not in ("fuse_from", "rows")}
+        examples = {k: v for k, v in part.items() if k != "fuse_from"}  # with "rows": their place in the batch
         options = settings.pass_options
-        return kpass_loss(
-            model, examples, part["fuse_from"], num_passes, options, noise_rng, part["rows"], weight_total
-        )
+        return kpass_loss(model, examples, part["fuse_from"], num_passes, options, noise_rng, weight_total=weight_total)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     rows_B = jnp.arange(batch["inputs"].shape[0], dtype=jnp.int32)
