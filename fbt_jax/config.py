@@ -72,6 +72,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.steps = 1000
     c.train.batch_size = 32
     c.train.log_every = 10
+    c.train.peak_flops_per_device = 0.0  # for MFU; 0: the device's known peak, or measured on a CPU
     c.train.microbatches = 1  # >1: gradient accumulation over this many parts of each global batch
     c.train.stop_at_step = 0  # >0: stop (with a checkpoint) after this step; the schedule still spans train.steps
 
@@ -242,6 +243,10 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
         f"multiple of the data-parallel size {dp}; use a batch size divisible by {t.microbatches * dp}",
     )
     _require(t.log_every >= 1, f"train.log_every={t.log_every} must be at least 1")
+    _require(
+        t.peak_flops_per_device >= 0,
+        f"train.peak_flops_per_device={t.peak_flops_per_device} is negative; give FLOP/s, or 0 for the known peak",
+    )
 
     schedule = PassSchedule.parse(p.schedule, t.steps, config.seed)
     _require(p.noise_std >= 0, f"passes.noise_std={p.noise_std} is negative; use 0 to turn jitter off")

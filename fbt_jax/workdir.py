@@ -29,6 +29,7 @@ LOCK_NAME = ".fbt-train.lock"
 # and laid out on devices.
 NEUTRAL_PREFIXES = (
     "train.log_every",
+    "train.peak_flops_per_device",
     "train.stop_at_step",
     "eval.",
     "checkpoint.",

@@ -9,7 +9,17 @@ import subprocess
 import jax
 import numpy as np
 import pytest
-from conftest import checkpointed_config, cpu_env, losses, run_command, run_config, start_command, train_argv, wait_for
+from conftest import (
+    checkpointed_config,
+    cpu_env,
+    losses,
+    read_jsonl,
+    run_command,
+    run_config,
+    start_command,
+    train_argv,
+    wait_for,
+)
 
 from fbt_jax.checkpoint import Checkpointer
 from fbt_jax.errors import PREEMPTED_EXIT_CODE
@@ -74,3 +84,36 @@ def test_sigint_saves_and_exits_like_sigterm(tmp_path):
     assert "Traceback" not in err
     stopped = int(err.split("stopped at step ")[1].split(" ")[0])
     assert os.path.exists(os.path.join(workdir, "checkpoints", str(stopped), "commit_success.txt"))
+
+
+def test_throughput_adds_model_flops_and_mfu_from_each_steps_pass_count():
+    """Two steps at K=1 then one at K=2, in an interval the loop timed at 30 tokens/s (10 tokens a
+    step): 1 s; FLOPs 100 + 100 + 250, against a peak of 900 FLOP/s."""
+    from fbt_jax.train.hooks import Throughput
+    from fbt_jax.train.loop import StepEnd
+
+    hook = Throughput({1: 100.0, 2: 250.0}.__getitem__, tokens_per_step=10, peak_flops=900.0, when=lambda e: e.last)
+    for step, k in ((1, 1), (2, 1), (3, 2)):
+        hook.on_step(StepEnd(step=step, num_passes=k, last=step == 3, stopping=False))
+    end = StepEnd(step=3, num_passes=2, last=True, stopping=False)
+    assert hook.wants(end)
+    record = {"loss": 1.0, "tokens_per_second": 30.0}
+    hook.on_interval(end, record, state=None)
+    assert record["model_flops_per_second"] == pytest.approx(450.0)
+    assert record["mfu"] == pytest.approx(0.5)
+    hook.on_step(StepEnd(step=4, num_passes=1, last=False, stopping=False))  # the next interval starts afresh
+    record = {"tokens_per_second": 10.0}
+    hook.on_interval(end, record, state=None)
+    assert record["model_flops_per_second"] == pytest.approx(100.0)
+
+
+def test_every_logged_line_has_mfu_against_a_measured_cpu_peak(tmp_path):
+    config = run_config(tmp_path, steps=4)
+    config.train.log_every = 2
+    messages = []
+    Trainer(config, log=messages.append, devices=jax.devices()[:1]).train(progress=False)
+    assert any(m.startswith("MFU against cpu: ") and "measured" in m for m in messages), messages
+    rows = read_jsonl(config.workdir)
+    assert [r["step"] for r in rows] == [2, 4]
+    for row in rows:
+        assert 0 < row["mfu"] < 1.5 and row["model_flops_per_second"] > 0

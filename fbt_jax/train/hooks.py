@@ -57,6 +57,8 @@ class MetricsLogger(Hook):
     def on_interval(self, end: StepEnd, record: dict[str, float], state: TrainState) -> None:
         self.writer.write(end.step, record)
         self.shown = f", loss={record['loss']:.3f}, tok/s={record['tokens_per_second']:,.0f}"
+        if "mfu" in record:
+            self.shown += f", MFU={100 * record['mfu']:.1f}%"
         if not (np.isfinite(record["loss"]) and np.isfinite(record["grad_norm"])):
             saved = self.saved_steps()
             raise FloatingPointError(
@@ -68,6 +70,44 @@ class MetricsLogger(Hook):
 
     def close(self, failed: bool) -> None:
         self.bar.close()
+
+
+class Throughput(Hook):
+    """Adds model FLOP/s and MFU to each logged interval (before the logger writes it).
+
+    model_flops_per_second = Σ_steps train_step_flops(K) / interval seconds, with K each step's
+    pass count (`flops.train_step_flops`: all K passes and the fusion, 3 × forward);
+    mfu = model_flops_per_second / (peak FLOP/s per device × devices). `when` is the logger's
+    `wants`, so both act on the same steps.
+    """
+
+    reads_metrics = True
+
+    def __init__(
+        self,
+        flops_per_step: Callable[[int], float],
+        tokens_per_step: int,
+        peak_flops: float,
+        when: Callable[[StepEnd], bool],
+    ):
+        self.flops_per_step, self.tokens_per_step, self.peak_flops = flops_per_step, tokens_per_step, peak_flops
+        self.when = when
+        self.flops, self.steps = 0.0, 0
+
+    def wants(self, end: StepEnd) -> bool:
+        return self.when(end)
+
+    def on_step(self, end: StepEnd) -> None:
+        self.flops += self.flops_per_step(end.num_passes)
+        self.steps += 1
+
+    def on_interval(self, end: StepEnd, record: dict[str, float], state: TrainState) -> None:
+        # The interval's seconds, from the loop's own timing: steps × tokens per step / tokens per second.
+        seconds = self.steps * self.tokens_per_step / record["tokens_per_second"]
+        record["model_flops_per_second"] = self.flops / seconds
+        if self.peak_flops > 0:
+            record["mfu"] = record["model_flops_per_second"] / self.peak_flops
+        self.flops, self.steps = 0.0, 0
 
 
 class CheckpointSaver(Hook):

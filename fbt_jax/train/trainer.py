@@ -19,6 +19,7 @@ from fbt_jax import checkpoint, distributed, paths, sharding, trained, workdir
 from fbt_jax.config import validate_config
 from fbt_jax.data.pipeline import StepBatches, batch_iterator, make_source
 from fbt_jax.errors import CheckpointError, ConfigError
+from fbt_jax.flops import peak_flops_per_device, train_step_flops
 from fbt_jax.metrics import MetricsWriter
 from fbt_jax.model import count_params
 from fbt_jax.schedule import PassSchedule
@@ -143,6 +144,12 @@ class Trainer:
             results[f"accuracy_K{k}"] = totals[f"correct_{k}"] / max(totals[f"weight_{k}"], 1e-8)
         return results
 
+    def peak_flops(self) -> tuple[float, str]:
+        """Peak FLOP/s of one device for MFU, and where the figure comes from."""
+        if self.config.train.peak_flops_per_device > 0:
+            return float(self.config.train.peak_flops_per_device), "train.peak_flops_per_device"
+        return peak_flops_per_device(self.programs.mesh.devices.flat[0])
+
     # The run.
 
     def train(self, progress: bool = True) -> dict[str, Any]:
@@ -188,7 +195,16 @@ class Trainer:
             saved_steps=saver.checkpointer.steps if saver else list,
             also_at=saver.saves if saver else lambda end: False,
         )
-        run_hooks: list[hooks.Hook] = [logger, saver] if saver else [logger]
+        peak_per_device, peak_source = self.peak_flops()
+        self.log(f"MFU against {peak_source} × {self.programs.mesh.size} device(s)")
+        model_cfg, seq_len = self.programs.model_cfg, cfg.data.seq_len
+        throughput = hooks.Throughput(
+            lambda k: train_step_flops(model_cfg, batch_size, seq_len, k),
+            batch_size * seq_len,
+            peak_per_device * self.programs.mesh.size,
+            when=logger.wants,
+        )
+        run_hooks: list[hooks.Hook] = [throughput, logger, saver] if saver else [throughput, logger]
         evaluator = None
         if self.programs.eval is not None:
             evaluator = hooks.Evaluator(self.evaluate, writer, cfg.eval.every_steps)
