@@ -17,6 +17,7 @@ import ml_collections
 from fbt_jax import paths
 from fbt_jax.data.pipeline import validate_data
 from fbt_jax.errors import ConfigError
+from fbt_jax.hardware import chip_hbm_gib
 from fbt_jax.layers import FUSIONS
 from fbt_jax.model import REMAT_POLICIES, ModelConfig
 from fbt_jax.schedule import DEFAULT_SCHEDULE, PassSchedule
@@ -116,6 +117,8 @@ def default_config() -> ml_collections.ConfigDict:
 
     c.dry_run = False
     c.dry_run_devices = 0  # >0: simulate this many CPU devices for the dry run (a pod-sized mesh)
+    c.dry_run_hbm_gib = 0.0  # >0: the dry run says whether each K fits this much memory per device
+    c.dry_run_chip = ""  # or a known chip whose memory that is (v5e, v5p, v6e, v4, A100, H100, H200, B200)
 
     c.eval = ml_collections.ConfigDict()
     c.eval.num_passes = (1, 2, 3)
@@ -310,6 +313,11 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
         config.distributed.mode in ("auto", "always", "never"),
         f"distributed.mode={config.distributed.mode!r} is unknown; use auto, always or never",
     )
+    _require(
+        config.dry_run_hbm_gib >= 0, f"dry_run_hbm_gib={config.dry_run_hbm_gib} is negative; use 0 for no fit check"
+    )
+    if config.dry_run_chip:
+        chip_hbm_gib(config.dry_run_chip)  # an unknown chip is a ConfigError naming the known ones
     _require(e.every_steps >= 0, f"eval.every_steps={e.every_steps} is negative; use 0 for a final eval only")
     paths.check_config_dirs(config)
     _require(

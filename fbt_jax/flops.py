@@ -7,29 +7,12 @@ matrix is formed and masked, so 2·T·N·H for QKᵀ plus 2·T·N·H for PV per 
 that skips the masked half would do half of that). Norms, rotary, softmax and the embedding gather
 are not matmuls and are left out. A training step costs 3× the forward (backward = 2× forward).
 
-MFU is these model FLOPs per second over the devices' peak: the dense bf16 peak of a known
-accelerator (PEAK_FLOPS, by device kind), or on a CPU a jitted matmul's rate measured once.
+MFU is these model FLOPs per second over the devices' peak (`hardware.py`).
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any
-
 from fbt_jax.model import ModelConfig
-
-# Dense bf16 peak FLOP/s per chip, matched in order against the lowercased `device_kind`.
-PEAK_FLOPS = (
-    ("tpu v6", 918e12),  # v6e (Trillium)
-    ("tpu v5 lite", 197e12),  # v5e
-    ("tpu v5e", 197e12),
-    ("tpu v5", 459e12),  # v5p
-    ("tpu v4", 275e12),
-    ("h200", 989e12),
-    ("h100", 989e12),  # SXM; the PCIe card is lower (756e12): override with train.peak_flops_per_device
-    ("a100", 312e12),
-    ("b200", 2250e12),
-)
 
 
 def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
@@ -61,32 +44,3 @@ def feedback_overhead_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Extra forward cost of one latent-feedback decode step relative to a standard one."""
     parts = forward_flops_per_token(cfg, seq_len)
     return parts["fusion"] / sum(v for k, v in parts.items() if k != "fusion")
-
-
-def peak_flops_per_device(device: Any, measure_on_cpu: bool = True) -> tuple[float, str]:
-    """(peak FLOP/s of one device, where that figure comes from): the table for a known
-    accelerator; on a CPU, a jitted fp32 matmul's rate measured now (best of a few runs)."""
-    kind = str(getattr(device, "device_kind", "")).lower()
-    for name, peak in PEAK_FLOPS:
-        if name in kind:
-            return peak, f"{device.device_kind}: {peak / 1e12:g} TFLOP/s dense bf16 (table)"
-    if device.platform == "cpu" and measure_on_cpu:
-        peak = measured_matmul_flops(device)
-        return peak, f"cpu: {peak / 1e9:.1f} GFLOP/s (jitted fp32 matmul, measured)"
-    return 0.0, f"{device.device_kind}: unknown peak (set train.peak_flops_per_device)"
-
-
-def measured_matmul_flops(device: Any, n: int = 1024, repeats: int = 5) -> float:
-    """FLOP/s of an n×n fp32 matmul on `device`, best of `repeats` (the rate a CPU reaches)."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
-    matmul = jax.jit(lambda x: x @ x)
-    matmul(a).block_until_ready()  # compile
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        matmul(a).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * n**3 / best

@@ -19,7 +19,8 @@ from fbt_jax import checkpoint, distributed, paths, sharding, trained, workdir
 from fbt_jax.config import validate_config
 from fbt_jax.data.pipeline import StepBatches, batch_iterator, make_source
 from fbt_jax.errors import CheckpointError, ConfigError
-from fbt_jax.flops import peak_flops_per_device, train_step_flops
+from fbt_jax.flops import train_step_flops
+from fbt_jax.hardware import peak_flops_per_device
 from fbt_jax.metrics import MetricsWriter
 from fbt_jax.model import count_params
 from fbt_jax.schedule import PassSchedule
