@@ -18,13 +18,9 @@ from fbt_jax import paths
 from fbt_jax.data.pipeline import validate_data
 from fbt_jax.errors import ConfigError
 from fbt_jax.hardware import chip_hbm_gib
-from fbt_jax.layers import FUSIONS
-from fbt_jax.model import REMAT_POLICIES, ModelConfig
+from fbt_jax.model import ModelConfig
 from fbt_jax.schedule import DEFAULT_SCHEDULE, PassSchedule
 from fbt_jax.sharding import BATCH_AXIS, DEFAULT_RULES, MESH_AXES, mesh_shape, parse_rules
-
-# float16 is left out on purpose: it needs loss scaling, which the trainer does not do.
-DTYPES = ("float32", "bfloat16")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -174,33 +170,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     )
     m, d, p, t, o, e = config.model, config.data, config.passes, config.train, config.optimizer, config.eval
 
-    for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
-        value = m[name]
-        _require(isinstance(value, int) and value >= 1, f"model.{name}={value!r} must be a positive integer")
-    _require(
-        m.embed_dim % m.num_heads == 0,
-        f"model.num_heads={m.num_heads} does not divide model.embed_dim={m.embed_dim}; "
-        "choose heads so that embed_dim % num_heads == 0",
-    )
-    _require(
-        m.num_heads % m.num_kv_heads == 0,
-        f"model.num_kv_heads={m.num_kv_heads} does not divide model.num_heads={m.num_heads}; "
-        "grouped attention needs num_heads % num_kv_heads == 0",
-    )
-    _require(
-        (m.embed_dim // m.num_heads) % 2 == 0,
-        f"head dim embed_dim/num_heads={m.embed_dim // m.num_heads} is odd; rotary positions need an even head dim",
-    )
-    _require(m.fusion in FUSIONS, f"model.fusion={m.fusion!r} is unknown; use one of {FUSIONS}")
-    for name in ("param_dtype", "compute_dtype"):
-        _require(m[name] in DTYPES, f"model.{name}={m[name]!r} is unknown; use one of {DTYPES}")
-    _require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be positive")
-    _require(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be positive")
-    _require(
-        isinstance(m.loss_chunk_size, int) and m.loss_chunk_size >= 0,
-        f"model.loss_chunk_size={m.loss_chunk_size!r} must be a non-negative integer (0: the whole sequence at once)",
-    )
-    _require(m.remat in REMAT_POLICIES, f"model.remat={m.remat!r} is unknown; use one of {tuple(REMAT_POLICIES)}")
+    ModelConfig.from_config(m).check()
 
     data_vocab, what = validate_data(config)
     _require(

@@ -22,10 +22,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fbt_jax.errors import ConfigError
 from fbt_jax.layers import (
     AXIS_EMBED,
     AXIS_LAYERS,
     AXIS_VOCAB,
+    FUSIONS,
     Attention,
     Fusion,
     KVCache,
@@ -37,6 +39,9 @@ from fbt_jax.layers import (
     normal,
     param,
 )
+
+# float16 is left out on purpose: it needs loss scaling, which the trainer does not do.
+DTYPES = ("float32", "bfloat16")
 
 # Rematerialisation policies for the blocks' backward pass (model.remat).
 REMAT_POLICIES = {
@@ -75,6 +80,45 @@ class ModelConfig:
     @classmethod
     def from_config(cls, model_cfg: Any) -> ModelConfig:
         return cls(**dict(model_cfg))
+
+    def check(self) -> None:
+        """ConfigError naming the first invalid field (`config.model.<field>`) and the fix."""
+
+        def require(ok: bool, message: str) -> None:
+            if not ok:
+                raise ConfigError(message)
+
+        for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value >= 1, f"model.{name}={value!r} must be a positive integer")
+        require(
+            self.embed_dim % self.num_heads == 0,
+            f"model.num_heads={self.num_heads} does not divide model.embed_dim={self.embed_dim}; "
+            "choose heads so that embed_dim % num_heads == 0",
+        )
+        require(
+            self.num_heads % self.num_kv_heads == 0,
+            f"model.num_kv_heads={self.num_kv_heads} does not divide model.num_heads={self.num_heads}; "
+            "grouped attention needs num_heads % num_kv_heads == 0",
+        )
+        require(
+            (self.embed_dim // self.num_heads) % 2 == 0,
+            f"head dim embed_dim/num_heads={self.embed_dim // self.num_heads} is odd; rotary positions need an even head dim",
+        )
+        require(self.fusion in FUSIONS, f"model.fusion={self.fusion!r} is unknown; use one of {FUSIONS}")
+        for name in ("param_dtype", "compute_dtype"):
+            require(
+                getattr(self, name) in DTYPES, f"model.{name}={getattr(self, name)!r} is unknown; use one of {DTYPES}"
+            )
+        require(self.rope_theta > 0, f"model.rope_theta={self.rope_theta} must be positive")
+        require(self.norm_eps > 0, f"model.norm_eps={self.norm_eps} must be positive")
+        require(
+            isinstance(self.loss_chunk_size, int) and self.loss_chunk_size >= 0,
+            f"model.loss_chunk_size={self.loss_chunk_size!r} must be a non-negative integer (0: the whole sequence at once)",
+        )
+        require(
+            self.remat in REMAT_POLICIES, f"model.remat={self.remat!r} is unknown; use one of {tuple(REMAT_POLICIES)}"
+        )
 
 
 class Block(nnx.Module):
