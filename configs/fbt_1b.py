@@ -22,15 +22,21 @@ def get_config():
     c.model.param_dtype = "float32"
     c.model.compute_dtype = "bfloat16"
     c.model.scan_layers = True  # compile time flat in depth
-    c.model.remat = "save_matmuls_no_batch"  # keep weight-matmul outputs, recompute the rest
+    # Memory (the dry run's table in docs/launch.md): keep only each block's input and recompute
+    # the rest in the backward pass, never hold the (tokens × 100k) logits at once, and compute
+    # each global batch in two halves. K = 1, 2 and 3 then fit a 16 GiB v5e chip.
+    c.model.remat = "block"
+    c.model.loss_chunk_size = 256
     # A 64-chip slice: FSDP within groups of 8, data parallel across them. The dry run simulates
     # the 64 devices on the CPU: fbt-train --config=configs/fbt_1b.py --config.dry_run=True
     c.mesh.data = -1
     c.mesh.fsdp = 8
     c.mesh.tensor = 1
     c.dry_run_devices = 64
+    c.dry_run_chip = "v5e"
     c.train.steps = 100_000  # 100k steps × 512 × 2048 tokens ≈ 100B tokens
     c.train.batch_size = 512
+    c.train.microbatches = 2
     c.train.log_every = 50
     c.optimizer.learning_rate = 3e-4
     c.optimizer.warmup_steps = 2000
