@@ -27,7 +27,7 @@ from fbt_jax.errors import CheckpointError, ConfigError, describe
 
 # Fields of `model` that change how the model is computed, not its parameters: they may differ
 # between a checkpoint and the run that restores it.
-RUNTIME_ONLY_MODEL_FIELDS = ("remat", "loss_chunk_size")
+RUNTIME_ONLY_MODEL_FIELDS = ("remat", "loss_chunk_size", "attention_impl")
 
 
 def model_signature(config: ml_collections.ConfigDict) -> dict[str, Any]:

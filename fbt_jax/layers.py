@@ -41,6 +41,9 @@ PARAM_AXES = (
 )
 
 FUSIONS = ("glu", "add")
+# How attention is computed: explicit einsums, or jax.nn.dot_product_attention (cuDNN's fused
+# flash kernel on GPU when it applies, XLA elsewhere). Equal to fp32 rounding.
+ATTENTION_IMPLS = ("einsum", "dot_product")
 
 # A layer's key and value cache, (k_BSGH, v_BSGH).
 KVCache = tuple[jax.Array, jax.Array]
@@ -111,6 +114,7 @@ class Attention(nnx.Module):
         param_dtype: Any,
         out_std: float,
         rngs: nnx.Rngs,
+        impl: str = "einsum",
     ):
         D, N, G, H = embed_dim, num_heads, num_kv_heads, embed_dim // num_heads
         in_std = D**-0.5
@@ -120,6 +124,7 @@ class Attention(nnx.Module):
         self.o_NHD = param(normal(rngs, (N, H, D), out_std, param_dtype), (AXIS_HEADS, AXIS_HEAD_DIM, AXIS_EMBED))
         self.num_kv_heads = G
         self.rope_theta = rope_theta
+        self.impl = impl
 
     def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, mask_B1TT: jax.Array) -> jax.Array:
         q_BTNH, k_BTGH, v_BTGH = self._project(x_BTD, positions_BT)
@@ -149,6 +154,11 @@ class Attention(nnx.Module):
 
     def _attend(self, q_BTNH: jax.Array, k_BSGH: jax.Array, v_BSGH: jax.Array, mask_B1TS: jax.Array) -> jax.Array:
         cd = q_BTNH.dtype
+        if self.impl == "dot_product":
+            out_BTNH = jax.nn.dot_product_attention(
+                q_BTNH, k_BSGH, v_BSGH, mask=mask_B1TS, scale=q_BTNH.shape[-1] ** -0.5
+            )
+            return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_NHD[...].astype(cd))
         B, T, N, H = q_BTNH.shape
         G = self.num_kv_heads
         acc = at_least_f32(cd)

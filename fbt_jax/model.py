@@ -24,6 +24,7 @@ from flax import nnx
 
 from fbt_jax.errors import ConfigError
 from fbt_jax.layers import (
+    ATTENTION_IMPLS,
     AXIS_EMBED,
     AXIS_LAYERS,
     AXIS_VOCAB,
@@ -71,6 +72,7 @@ class ModelConfig:
     scale_logits: bool = True  # readout scaled by 1/sqrt(embed_dim), since the final-normed h has norm ~sqrt(D)
     remat: str = "none"  # a key of REMAT_POLICIES
     scan_layers: bool = False  # one scanned block: compile time flat in depth
+    attention_impl: str = "einsum"  # einsum | dot_product (jax.nn.dot_product_attention: cuDNN flash on GPU)
     loss_chunk_size: int = 0  # >0: readout + cross-entropy over chunks of this many positions (memory)
 
     @property
@@ -117,6 +119,10 @@ class ModelConfig:
             f"model.loss_chunk_size={self.loss_chunk_size!r} must be a non-negative integer (0: the whole sequence at once)",
         )
         require(
+            self.attention_impl in ATTENTION_IMPLS,
+            f"model.attention_impl={self.attention_impl!r} is unknown; use one of {ATTENTION_IMPLS}",
+        )
+        require(
             self.remat in REMAT_POLICIES, f"model.remat={self.remat!r} is unknown; use one of {tuple(REMAT_POLICIES)}"
         )
 
@@ -130,7 +136,9 @@ class Block(nnx.Module):
         out_std = cfg.embed_dim**-0.5 / math.sqrt(2 * cfg.num_layers)
         pdt = jnp.dtype(cfg.param_dtype)
         self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pdt)
-        self.attn = Attention(cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rope_theta, pdt, out_std, rngs)
+        self.attn = Attention(
+            cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rope_theta, pdt, out_std, rngs, cfg.attention_impl
+        )
         self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pdt)
         self.mlp = SwiGLU(cfg.embed_dim, cfg.mlp_dim, pdt, out_std, rngs)
 

@@ -41,6 +41,7 @@ NEUTRAL_PREFIXES = (
     "data.cache_dir",
     "model.remat",
     "model.loss_chunk_size",
+    "model.attention_impl",
 )
 # Config fields that may change when a run resumes, with a note: the neutral ones, the length of
 # the run and the optimizer. Any other change (the data and its order, the pass schedule and
