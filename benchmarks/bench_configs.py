@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from fbt_1b import get_config as fbt_1b_config  # noqa: E402
 from tiny import get_config as tiny_config  # noqa: E402
 
-__all__ = ["cpu_medium_config", "fbt_1b_config", "sized_config", "tiny_config"]
+__all__ = ["cpu_medium_config", "fbt_1b_config", "nanodo_configs", "sized_config", "tiny_config"]
 
 
 def sized_config(seq_len: int | None = None, batch_size: int | None = None, **model):
@@ -32,3 +32,22 @@ def cpu_medium_config():
     return sized_config(
         seq_len=128, batch_size=8, embed_dim=256, num_layers=4, num_heads=8, num_kv_heads=4, mlp_dim=1024
     )
+
+
+def nanodo_configs() -> dict:
+    """The two shapes compared with nanodo on this CPU (issue #12), at a real vocabulary (32768):
+    D256 L4 H4 T256 B16 and D512 L6 H8 T256 B8. The SwiGLU width is 8D/3, so that its three
+    matrices cost what nanodo's two 4D-wide ones do."""
+    return {
+        f"D{d}_L{layers}_B{batch}": sized_config(
+            seq_len=256,
+            batch_size=batch,
+            vocab_size=32768,
+            embed_dim=d,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=heads,
+            mlp_dim=8 * d // 3,
+        )
+        for d, layers, heads, batch in ((256, 4, 4, 16), (512, 6, 8, 8))
+    }

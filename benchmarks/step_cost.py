@@ -1,12 +1,14 @@
 """Step cost of K-pass training: does K passes cost K times one pass, and no more?
 
-For the tiny config and a bigger CPU-sized one, times the compiled production train step
-(`fbt_jax.train.train_step`) for K = 1, 2, 3, interleaving the Ks round by round so that machine
-noise hits all of them alike, and reports medians, the ratio t(K) / (K · t(1)) (target ≤ 1.05),
-the explicitly counted model FLOPs per step (see fbt_jax/flops.py for what is counted) and the
-achieved FLOP/s as a fraction of this machine's peak matmul FLOP/s, measured in the same run.
+At the two shapes compared with nanodo on this CPU (D256 L4 H4 T256 B16 and D512 L6 H8 T256 B8,
+vocabulary 32768), times the compiled production train step (`fbt_jax.train.step.train_step`) for
+K = 1, 2, 3, interleaving the Ks round by round so that machine noise hits all of them alike, and
+reports medians, the ratio t(K) / (K · t(1)) (target ≤ 1.03), the explicitly counted model FLOPs
+per step (see fbt_jax/flops.py for what is counted), the achieved FLOP/s as a fraction of this
+machine's peak matmul FLOP/s measured in the same run (MFU), and each K program's per-device
+memory without and with the chunked loss (`model.loss_chunk_size=64`).
 
-    python benchmarks/step_cost.py [--rounds 15] [--steps-per-round 3] [--smoke] [--write-docs PATH]
+    python benchmarks/step_cost.py [--rounds 5] [--steps-per-round 1] [--smoke] [--write-docs PATH]
 
 Prints a table and, last, one JSON line with every figure. `--smoke` runs the same code on the tiny
 config only, with small matmuls and one round (seconds); `--write-docs PATH` rewrites the
@@ -27,7 +29,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import docs_block  # noqa: E402
-from bench_configs import cpu_medium_config, tiny_config  # noqa: E402
+from bench_configs import nanodo_configs, tiny_config  # noqa: E402
 
 from fbt_jax.flops import train_step_flops  # noqa: E402
 from fbt_jax.model import ModelConfig  # noqa: E402
@@ -53,12 +55,24 @@ def peak_matmul_flops(rounds: int = 10, sizes: tuple[int, ...] = (1024, 2048)) -
     return out
 
 
-def time_steps(config, rounds: int, steps_per_round: int) -> dict[int, float]:
+def trainer_for(config) -> Trainer:
     config.passes.schedule = "0:1=0.4,2=0.3,3=0.3"  # any mixture that compiles every K in PASS_COUNTS
     config.eval.num_batches = 0
     # One device, like the peak it is compared with (a multi-device mesh is sharding_overhead.py's).
-    trainer = Trainer(config, log=lambda *_: None, devices=jax.devices()[:1])
-    trainer.compile()
+    return Trainer(config, log=lambda *_: None, devices=jax.devices()[:1])
+
+
+def device_mib(config, loss_chunk_size: int) -> dict[int, float]:
+    """Per-device memory (MiB) of each K's compiled train step, with the given loss chunking."""
+    config = config.copy_and_resolve_references()
+    config.model.loss_chunk_size = loss_chunk_size
+    report = trainer_for(config).compile(PASS_COUNTS)
+    return {k: report[f"train_K{k}"].get("device_bytes", 0.0) / 2**20 for k in PASS_COUNTS}
+
+
+def time_steps(config, rounds: int, steps_per_round: int) -> dict[int, float]:
+    trainer = trainer_for(config)
+    trainer.compile(PASS_COUNTS)
     trainer.init_state()
     batch = trainer.batch("train", 0, config.train.batch_size)
     state = trainer.state
@@ -79,12 +93,12 @@ def time_steps(config, rounds: int, steps_per_round: int) -> dict[int, float]:
 
 
 def main() -> None:
-    args = docs_block.timing_arguments(__doc__, "step_cost", rounds=15, steps_per_round=3)
+    args = docs_block.timing_arguments(__doc__, "step_cost", rounds=5, steps_per_round=1)
     if args.smoke:
         configs = (("tiny", tiny_config()),)
         peaks = peak_matmul_flops(rounds=2, sizes=(256,))
     else:
-        configs = (("tiny", tiny_config()), ("cpu_medium", cpu_medium_config()))
+        configs = tuple(nanodo_configs().items())
         peaks = peak_matmul_flops()
     peak = max(peaks.values())
     print(
@@ -93,13 +107,15 @@ def main() -> None:
     )
     results = {"peak_flops": peak, "peak_by_size": peaks, "configs": {}}
     header = (
-        f"{'config':<11}{'K':>2}{'median step':>14}{'t(K)/(K·t(1))':>15}{'GFLOP/step':>12}{'GFLOP/s':>9}{'of peak':>9}"
+        f"{'config':<14}{'K':>2}{'median step':>14}{'t(K)/(K·t(1))':>15}{'GFLOP/step':>12}{'GFLOP/s':>9}{'MFU':>7}"
+        f"{'MiB':>9}{'MiB chunked':>13}"
     )
     print(header)
     print("-" * len(header))
     for name, config in configs:
         model_cfg = ModelConfig.from_config(config.model)
         times = time_steps(config, args.rounds, args.steps_per_round)
+        memory, memory_chunked = device_mib(config, 0), device_mib(config, min(64, config.data.seq_len // 2))
         rows = {}
         for k in PASS_COUNTS:
             flops = train_step_flops(model_cfg, config.train.batch_size, config.data.seq_len, k)
@@ -109,11 +125,14 @@ def main() -> None:
                 "flops_per_step": flops,
                 "achieved_flops": flops / times[k],
                 "fraction_of_peak": flops / times[k] / peak,
+                "device_mib": memory[k],
+                "device_mib_chunked_loss": memory_chunked[k],
             }
             r = rows[k]
             print(
-                f"{name:<11}{k:>2}{times[k] * 1e3:>12.2f}ms{r['ratio_to_k_times_one_pass']:>15.3f}"
-                f"{flops / 1e9:>12.3f}{r['achieved_flops'] / 1e9:>9.1f}{r['fraction_of_peak']:>9.1%}"
+                f"{name:<14}{k:>2}{times[k] * 1e3:>12.2f}ms{r['ratio_to_k_times_one_pass']:>15.3f}"
+                f"{flops / 1e9:>12.3f}{r['achieved_flops'] / 1e9:>9.1f}{r['fraction_of_peak']:>7.1%}"
+                f"{memory[k]:>9.1f}{memory_chunked[k]:>13.1f}"
             )
         results["configs"][name] = {
             "embed_dim": config.model.embed_dim,
@@ -147,9 +166,21 @@ def docs_text(results: dict, smoke: bool) -> str:
                     f"{r['flops_per_step'] / 1e9:.3g}",
                     f"{r['achieved_flops'] / 1e9:.1f}",
                     f"{r['fraction_of_peak']:.0%}",
+                    f"{r['device_mib']:,.0f}",
+                    f"{r['device_mib_chunked_loss']:,.0f}",
                 ]
             )
-    header = ["config", "K", "median step", "t(K) / (K·t(1))", "GFLOP/step", "GFLOP/s", "of peak"]
+    header = [
+        "config",
+        "K",
+        "median step",
+        "t(K) / (K·t(1))",
+        "GFLOP/step",
+        "GFLOP/s",
+        "MFU",
+        "MiB per device",
+        "MiB, chunked loss",
+    ]
     return docs_block.block(
         "step_cost", docs_block.run_arguments(sys.argv[1:]), machine, [docs_block.table(header, rows)]
     )
