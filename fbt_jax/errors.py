@@ -108,13 +108,30 @@ def divert_library_noise(log_path: str) -> None:
                 return False
             return True
 
-    for root_handler in logging.getLogger().handlers:
-        root_handler.addFilter(Divert())
+    root = logging.getLogger()
+    if not root.handlers:
+        # Without a handler of its own (argparse commands), logging would print through its
+        # unfiltered `lastResort`, e.g. asyncio's "Task exception was never retrieved" for an
+        # orbax read that failed, at interpreter exit: give it a filtered stderr handler instead.
+        stderr = logging.StreamHandler(sys.stderr)
+        stderr.setLevel(logging.WARNING)
+        root.addHandler(stderr)
+    for root_handler in [*root.handlers, logging.lastResort]:
+        if root_handler is not None:
+            root_handler.addFilter(Divert())
     previous = sys.unraisablehook
+
+    def from_storage(tb) -> bool:
+        while tb is not None:
+            if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
+                return True
+            tb = tb.tb_next
+        return False
 
     def hook(unraisable) -> None:  # tensorstore's callbacks report through sys.unraisablehook
         value = unraisable.exc_value
-        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+        closed_loop = isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
+        if closed_loop or from_storage(unraisable.exc_traceback):
             import traceback
 
             try:
