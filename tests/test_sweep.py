@@ -20,23 +20,26 @@ from fbt_jax.sweep.spec import load_sweep
 from fbt_jax.sweep.state import SweepDirectory
 
 TINY_MIXTURES = os.path.join(ROOT, "configs", "sweeps", "tiny_mixtures.py")
-SMALL = """
-def get_sweep():
-    return {{
-        "base": {base!r},
-        "overrides": {{"train.steps": 24, "train.log_every": 4, "train.batch_size": 8, "checkpoint.every_steps": 4,
-                      "eval.every_steps": 8, "eval.num_batches": 1, "eval.batch_size": 8,
-                      "optimizer.warmup_steps": 2}},
-        "grid": {{"passes.schedule": {{"k1": "0:1", "k12": "0:1; 0.5:2", "heavy": "0:1; 0.25:2=0.5,3=0.5"}}}},
-        {extra}
-    }}
-"""
+# Three mixtures for 24 steps; a test adds spec keys as Python text (`extra`).
+SMALL = {
+    "base": os.path.join(ROOT, "configs", "tiny.py"),
+    "overrides": {
+        "train.steps": 24,
+        "train.log_every": 4,
+        "train.batch_size": 8,
+        "checkpoint.every_steps": 4,
+        "eval.every_steps": 8,
+        "eval.num_batches": 1,
+        "eval.batch_size": 8,
+        "optimizer.warmup_steps": 2,
+    },
+    "grid": {"passes.schedule": {"k1": "0:1", "k12": "0:1; 0.5:2", "heavy": "0:1; 0.25:2=0.5,3=0.5"}},
+}
 
 
 def write_spec(tmp_path, name="small", extra=""):
-    text = SMALL.format(base=os.path.join(ROOT, "configs", "tiny.py"), extra=extra)
     path = tmp_path / f"{name}.py"
-    path.write_text(text)
+    path.write_text(f"def get_sweep():\n    return {{{repr(SMALL)[1:-1]}, {extra}}}\n")
     return str(path)
 
 
