@@ -21,6 +21,7 @@ from fbt_jax.sweep.plan import Job
 from fbt_jax.sweep.state import SweepDirectory
 
 LAUNCHERS = ("none", "local", "tpu_pod")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for launch/
 
 
 def command(
@@ -28,13 +29,12 @@ def command(
 ) -> list[str]:
     """The command that runs `job` (through a launcher from launch/ for multi-host jobs)."""
     train = [f"--config={sweep_dir.job_file(job)}"]
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if launcher == "none":
         return ["fbt-train", *train]
     if launcher == "local":
-        return [os.path.join(repo, "launch", "local.sh"), *launcher_args, *train]
+        return [os.path.join(REPO, "launch", "local.sh"), *launcher_args, *train]
     if launcher == "tpu_pod":
-        return [os.path.join(repo, "launch", "tpu_pod.sh"), *launcher_args, *train]
+        return [os.path.join(REPO, "launch", "tpu_pod.sh"), *launcher_args, *train]
     raise ConfigError(f"--launcher={launcher!r} is unknown; use one of {LAUNCHERS}")
 
 
@@ -134,7 +134,6 @@ def write_slurm(
 ) -> list[str]:
     """One array script per tree level under <sweep>/slurm/, each job of a level one task; with
     `submit`, sbatch them in order, each level after the previous one succeeded (afterok)."""
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     scripts = []
     for number, level in enumerate(levels([j for j in jobs if sweep_dir.status(j).state != "done"])):
         names = " ".join(shlex.quote(j.name) for j in level)
@@ -146,7 +145,7 @@ def write_slurm(
 set -uo pipefail
 names=({names})
 name=${{names[$SLURM_ARRAY_TASK_ID]}}
-bash {shlex.quote(os.path.join(repo, "launch", "slurm_gpu.sbatch"))} --config={shlex.quote(sweep_dir.path("jobs"))}/$name.py \\
+bash {shlex.quote(os.path.join(REPO, "launch", "slurm_gpu.sbatch"))} --config={shlex.quote(sweep_dir.path("jobs"))}/$name.py \\
   >> {shlex.quote(sweep_dir.path("logs"))}/$name.log 2>&1
 code=$?
 echo "$code $SECONDS" > {shlex.quote(sweep_dir.path("logs"))}/$name.exit

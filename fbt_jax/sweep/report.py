@@ -42,7 +42,8 @@ def gather(sweep_dir: SweepDirectory, sweep: Sweep, jobs: list[Job]) -> list[dic
             ]
         cfg = run.config
         tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
-        counts = np.bincount(pass_counts(cfg))
+        ks = pass_counts(cfg)  # K of every step
+        counts = np.bincount(ks)
         model = ModelConfig.from_config(cfg.model)
         flops = sum(
             int(n) * 3 * forward_flops(model, cfg.data.seq_len, k) * tokens_per_step for k, n in enumerate(counts) if n
@@ -56,7 +57,7 @@ def gather(sweep_dir: SweepDirectory, sweep: Sweep, jobs: list[Job]) -> list[dic
             values = [r[key] for r in curve if key in r]
             row[f"best_{key}"] = min(values) if key.startswith("loss") else max(values)
         row |= {"tokens": cfg.train.steps * tokens_per_step, "train_flops": flops, "seconds": seconds}
-        row["mean_num_passes"] = float(np.mean(pass_counts(cfg)))
+        row["mean_num_passes"] = float(np.mean(ks))
         row["curve"] = [(r["step"] * tokens_per_step, r) for r in curve]
         row["overrides"] = run.overrides
         rows.append(row)
