@@ -255,8 +255,12 @@ class FBTransformer(nnx.Module):
             preferred_element_type=at_least_f32(h_BTD.dtype),
         )
         if self.cfg.scale_logits:
-            logits_BTV = logits_BTV * (self.cfg.embed_dim**-0.5)
+            logits_BTV = logits_BTV * self.readout_scale()
         return logits_BTV
+
+    def readout_scale(self) -> float:
+        """The factor on h · Eᵀ: 1/√D with `scale_logits`, else 1 (shared with the fused loss)."""
+        return self.cfg.embed_dim**-0.5 if self.cfg.scale_logits else 1.0
 
 
 def _apply_block(block: Block, x_BTD: jax.Array, positions_BT: jax.Array, mask_B1TT: jax.Array) -> jax.Array:

@@ -24,6 +24,7 @@ BENCHMARKS = {
     "first_run": "wall_seconds",
     "dry_run_memory": "device_mib_K3",
     "sweep_cost": "ratio",
+    "gpu_check": "checks",
 }
 # These quote what a command printed (a fenced text block) rather than a table.
 QUOTES_OUTPUT = {"first_run", "dry_run_memory"}
@@ -92,6 +93,16 @@ def test_benchmark_smoke_run_prints_figures_and_writes_docs(name, tmp_path):
         cells = lines[i].count("|")
         assert lines[i - 1].startswith("| ") and lines[i - 1].count("|") == cells
         assert lines[i + 1].startswith("| ") and lines[i + 1].count("|") == cells
+
+
+def test_gpu_check_script_refuses_in_one_line_where_jax_sees_no_gpu():
+    """benchmarks/gpu_check.sh on this CPU-only machine: one line naming the fix, before any work
+    (its checks themselves run in the smoke test above, CPU against CPU)."""
+    result = run_command(["bash", os.path.join("benchmarks", "gpu_check.sh")], cpu_env(None), timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip().startswith("gpu_check.sh: jax sees no GPU ("), result.stderr
+    assert "pip install 'jax[cuda12]'" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert result.stdout == ""
 
 
 def test_write_docs_without_markers_fails_in_one_line_before_measuring(tmp_path):

@@ -36,12 +36,14 @@ def numpy_nll_BT(logits, targets, weights):
 
 
 class Readout:
-    """A stand-in model whose readout of the states is the states themselves (not chunked)."""
+    """A stand-in model whose readout of the states is the states themselves (not chunked):
+    an identity embedding table, unscaled."""
 
     cfg = types.SimpleNamespace(loss_chunk_size=0)
+    embedding_VD = jnp.eye(V)
 
-    def logits(self, h_BTD):
-        return h_BTD
+    def readout_scale(self):
+        return 1.0
 
 
 @pytest.mark.parametrize("filler", [-100, V, 10**6])  # PyTorch's ignore index, V (out of range), far out
@@ -138,3 +140,46 @@ def test_chunked_readout_gives_the_full_loss_gradients_and_counts(chunk):
     assert float(stats_chunked["correct"]) == float(stats_full["correct"])
     assert float(stats_chunked["weight"]) == float(stats_full["weight"])
     np.testing.assert_allclose(stats_chunked["nll"], stats_full["nll"], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "compute_dtype, scale_logits, rtol", [("float32", True, 1e-5), ("float32", False, 1e-5), ("bfloat16", True, 2e-2)]
+)
+def test_the_fused_readout_loss_and_its_hand_written_gradients_equal_autodiff_of_the_logits(
+    compute_dtype, scale_logits, rtol
+):
+    """`readout_nll` (one custom-VJP function) against `token_nll(model.logits(h))` differentiated by
+    JAX: the loss and the gradients for the states, every parameter and the weights."""
+    from conftest import small_model_config
+    from flax import nnx
+
+    from fbt_jax.model import build_model
+
+    length, vocab = 6, 40
+    model = build_model(
+        small_model_config(vocab_size=vocab, compute_dtype=compute_dtype, scale_logits=scale_logits), seed=0
+    )
+    h = jax.random.normal(jax.random.PRNGKey(2), (3, length, 32)).astype(compute_dtype)
+    weights = (jax.random.uniform(jax.random.PRNGKey(1), (3, length)) > 0.3).astype(jnp.float32).at[0, 0].set(2.0)
+    targets = jnp.where(weights > 0, jax.random.randint(jax.random.PRNGKey(0), (3, length), 0, vocab), -100)
+
+    def fused(model, h, weights):
+        return readout_nll(model, h, targets, weights)[0]
+
+    def reference(model, h, weights):
+        return token_nll(model.logits(h), targets, weights)[0]
+
+    results = [nnx.value_and_grad(f, argnums=(0, 1, 2))(model, h, weights) for f in (fused, reference)]
+    (loss_fused, grads_fused), (loss_reference, grads_reference) = results
+    assert loss_fused.dtype == jnp.float32
+    np.testing.assert_allclose(loss_fused, loss_reference, rtol=rtol)
+    for name, a, b in zip(("params", "h", "weights"), grads_fused, grads_reference, strict=True):
+        for x, y in zip(
+            jax.tree.leaves(nnx.state(a) if name == "params" else a),
+            jax.tree.leaves(nnx.state(b) if name == "params" else b),
+            strict=True,
+        ):
+            assert x.dtype == y.dtype, name
+            scale = float(jnp.max(jnp.abs(y.astype(jnp.float32)))) or 1.0
+            np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), atol=rtol * scale)
+    assert float(jnp.abs(grads_fused[2][weights == 0]).max()) == 0.0  # masked positions add nothing
