@@ -216,7 +216,7 @@ def main() -> None:
         print(f"{'ok  ' if ok else 'FAIL'} {name:<40} max error {error:.2e} (tolerance {tol:g})")
     perf = speed(device, args.smoke, args.rounds)
     print(
-        f"{perf['params'] / 1e6:.0f}M parameters, {perf['tokens_per_step']} tokens per step; peak {perf['peak_source']}"
+        f"{perf['params'] / 1e6:.1f}M parameters, {perf['tokens_per_step']} tokens per step; peak {perf['peak_source']}"
     )
     header = ["K", "median step", "tokens/s", "MFU", "t(K)/(K·t(1))", "GiB compiled", "GiB peak in use"]
     rows = [

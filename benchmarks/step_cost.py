@@ -5,8 +5,9 @@ vocabulary 32768), times the compiled production train step (`fbt_jax.train.step
 K = 1, 2, 3, interleaving the Ks round by round so that machine noise hits all of them alike, and
 reports medians, the ratio t(K) / (K · t(1)) (target ≤ 1.03), the explicitly counted model FLOPs
 per step (see fbt_jax/flops.py for what is counted), the achieved FLOP/s as a fraction of this
-machine's peak matmul FLOP/s measured in the same run (MFU), and each K program's per-device
-memory without and with the chunked loss (`model.loss_chunk_size=64`).
+machine's peak fp32 matmul FLOP/s sampled in the same round (MFU, median over rounds: the
+machine's speed drifts), and each K program's per-device memory; all of it twice, with the whole
+readout at once and with the chunked loss (`model.loss_chunk_size=64`), timed in the same rounds.
 
     python benchmarks/step_cost.py [--rounds 5] [--steps-per-round 1] [--smoke] [--write-docs PATH]
 
@@ -24,7 +25,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,23 +36,37 @@ from fbt_jax.model import ModelConfig  # noqa: E402
 from fbt_jax.train.trainer import Trainer  # noqa: E402
 
 PASS_COUNTS = (1, 2, 3)
+CHUNK = 64  # positions per chunk of the chunked-loss variant
 
 
-def peak_matmul_flops(rounds: int = 10, sizes: tuple[int, ...] = (1024, 2048)) -> dict[str, float]:
-    """Best median fp32 matmul FLOP/s over a few square sizes (the machine's practical peak)."""
-    out = {}
-    for n in sizes:
-        a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
-        b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
+class MatmulPeak:
+    """The machine's practical fp32 matmul FLOP/s, sampled between the timed steps.
+
+    This 2-core VM's speed drifts by tens of percent within minutes, so a peak measured once at
+    start-up says little about a step timed five minutes later: each round of steps is compared
+    with the peak sampled in the same round (best of a few square sizes).
+    """
+
+    def __init__(self, sizes: tuple[int, ...]):
         matmul = jax.jit(lambda x, y: x @ y)
-        matmul(a, b).block_until_ready()
-        times = []
-        for _ in range(rounds):
-            start = time.perf_counter()
+        self.operands = {
+            n: (jax.random.normal(jax.random.PRNGKey(0), (n, n)), jax.random.normal(jax.random.PRNGKey(1), (n, n)))
+            for n in sizes
+        }
+        self.matmul = matmul
+        for a, b in self.operands.values():
             matmul(a, b).block_until_ready()
-            times.append(time.perf_counter() - start)
-        out[f"matmul_{n}"] = 2 * n**3 / statistics.median(times)
-    return out
+        self.samples: list[float] = []
+
+    def sample(self, repeats: int = 3) -> float:
+        best = 0.0
+        for n, (a, b) in self.operands.items():
+            for _ in range(repeats):
+                start = time.perf_counter()
+                self.matmul(a, b).block_until_ready()
+                best = max(best, 2 * n**3 / (time.perf_counter() - start))
+        self.samples.append(best)
+        return best
 
 
 def trainer_for(config) -> Trainer:
@@ -62,85 +76,108 @@ def trainer_for(config) -> Trainer:
     return Trainer(config, log=lambda *_: None, devices=jax.devices()[:1])
 
 
-def device_mib(config, loss_chunk_size: int) -> dict[int, float]:
-    """Per-device memory (MiB) of each K's compiled train step, with the given loss chunking."""
-    config = config.copy_and_resolve_references()
-    config.model.loss_chunk_size = loss_chunk_size
-    report = trainer_for(config).compile(PASS_COUNTS)
-    return {k: report[f"train_K{k}"].get("device_bytes", 0.0) / 2**20 for k in PASS_COUNTS}
-
-
-def time_steps(config, rounds: int, steps_per_round: int) -> dict[int, float]:
-    trainer = trainer_for(config)
-    trainer.compile(PASS_COUNTS)
-    trainer.init_state()
-    batch = trainer.batch("train", 0, config.train.batch_size)
-    state = trainer.state
-    for k in PASS_COUNTS:  # warm up each program
-        for _ in range(2):
-            state, metrics = trainer.programs.train[k](state, batch)
-        jax.block_until_ready(metrics)
-    samples: dict[int, list[float]] = {k: [] for k in PASS_COUNTS}
+def time_variants(
+    variants: dict[str, object], rounds: int, steps_per_round: int, peak: MatmulPeak
+) -> dict[str, dict[int, dict[str, float]]]:
+    """Per variant (a config) and K: the median step time, the median over rounds of the step's
+    FLOP/s as a fraction of the matmul peak sampled in the same round, the FLOPs and the compiled
+    per-device memory. Every program of every variant runs once per round, in turn."""
+    runs = {}
+    for label, config in variants.items():
+        trainer = trainer_for(config)
+        report = trainer.compile(PASS_COUNTS)
+        trainer.init_state()
+        batch = trainer.batch("train", 0, config.train.batch_size)
+        state = trainer.state
+        for k in PASS_COUNTS:  # warm up each program
+            for _ in range(2):
+                state, metrics = trainer.programs.train[k](state, batch)
+            jax.block_until_ready(metrics)
+        model_cfg = ModelConfig.from_config(config.model)
+        flops = {k: train_step_flops(model_cfg, config.train.batch_size, config.data.seq_len, k) for k in PASS_COUNTS}
+        runs[label] = {"trainer": trainer, "state": state, "batch": batch, "report": report, "flops": flops}
+    samples = {label: {k: [] for k in PASS_COUNTS} for label in variants}
+    fractions = {label: {k: [] for k in PASS_COUNTS} for label in variants}
     for _ in range(rounds):
-        for k in PASS_COUNTS:
-            program = trainer.programs.train[k]
-            start = time.perf_counter()
-            for _ in range(steps_per_round):
-                state, metrics = program(state, batch)
-            jax.block_until_ready((state, metrics))
-            samples[k].append((time.perf_counter() - start) / steps_per_round)
-    return {k: statistics.median(v) for k, v in samples.items()}
+        round_peak = peak.sample()
+        for label, run in runs.items():
+            for k in PASS_COUNTS:
+                program, state = run["trainer"].programs.train[k], run["state"]
+                start = time.perf_counter()
+                for _ in range(steps_per_round):
+                    state, metrics = program(state, run["batch"])
+                jax.block_until_ready((state, metrics))
+                run["state"] = state
+                samples[label][k].append((time.perf_counter() - start) / steps_per_round)
+                fractions[label][k].append(run["flops"][k] / samples[label][k][-1] / round_peak)
+    return {
+        label: {
+            k: {
+                "seconds": statistics.median(samples[label][k]),
+                "fraction_of_peak": statistics.median(fractions[label][k]),
+                "flops": run["flops"][k],
+                "device_mib": run["report"][f"train_K{k}"].get("device_bytes", 0.0) / 2**20,
+            }
+            for k in PASS_COUNTS
+        }
+        for label, run in runs.items()
+    }
 
 
 def main() -> None:
     args = docs_block.timing_arguments(__doc__, "step_cost", rounds=5, steps_per_round=1)
     if args.smoke:
         configs = (("tiny", tiny_config()),)
-        peaks = peak_matmul_flops(rounds=2, sizes=(256,))
+        peak = MatmulPeak(sizes=(256,))
     else:
         configs = tuple(nanodo_configs().items())
-        peaks = peak_matmul_flops()
-    peak = max(peaks.values())
-    print(
-        f"devices: {jax.devices()}  peak fp32 matmul: "
-        + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks.items())
-    )
-    results = {"peak_flops": peak, "peak_by_size": peaks, "configs": {}}
+        peak = MatmulPeak(sizes=(1024, 2048))
+    print(f"devices: {jax.devices()}  peak fp32 matmul at start: {peak.sample() / 1e9:.1f} GFLOP/s")
+    results = {"configs": {}}
     header = (
-        f"{'config':<14}{'K':>2}{'median step':>14}{'t(K)/(K·t(1))':>15}{'GFLOP/step':>12}{'GFLOP/s':>9}{'MFU':>7}"
-        f"{'MiB':>9}{'MiB chunked':>13}"
+        f"{'config':<14}{'K':>2}{'GFLOP/step':>12}{'median step':>14}{'t(K)/(K·t(1))':>15}{'MFU':>7}{'MiB':>9}"
+        f"{'| chunked:':>11}{'median step':>14}{'t(K)/(K·t(1))':>15}{'MFU':>7}{'MiB':>9}"
     )
     print(header)
     print("-" * len(header))
     for name, config in configs:
-        model_cfg = ModelConfig.from_config(config.model)
-        times = time_steps(config, args.rounds, args.steps_per_round)
-        memory, memory_chunked = device_mib(config, 0), device_mib(config, min(64, config.data.seq_len // 2))
+        chunked = config.copy_and_resolve_references()
+        chunked.model.loss_chunk_size = min(CHUNK, config.data.seq_len // 2)
+        timed = time_variants({"full": config, "chunked": chunked}, args.rounds, args.steps_per_round, peak)
         rows = {}
         for k in PASS_COUNTS:
-            flops = train_step_flops(model_cfg, config.train.batch_size, config.data.seq_len, k)
-            rows[k] = {
-                "median_step_seconds": times[k],
-                "ratio_to_k_times_one_pass": times[k] / (k * times[1]),
-                "flops_per_step": flops,
-                "achieved_flops": flops / times[k],
-                "fraction_of_peak": flops / times[k] / peak,
-                "device_mib": memory[k],
-                "device_mib_chunked_loss": memory_chunked[k],
-            }
+            rows[k] = {"flops_per_step": timed["full"][k]["flops"]}
+            for label, suffix in (("full", ""), ("chunked", "_chunked_loss")):
+                t = timed[label][k]
+                rows[k] |= {
+                    f"median_step_seconds{suffix}": t["seconds"],
+                    f"ratio_to_k_times_one_pass{suffix}": t["seconds"] / (k * timed[label][1]["seconds"]),
+                    f"achieved_flops{suffix}": t["flops"] / t["seconds"],
+                    f"fraction_of_peak{suffix}": t["fraction_of_peak"],
+                    f"device_mib{suffix}": t["device_mib"],
+                }
             r = rows[k]
             print(
-                f"{name:<14}{k:>2}{times[k] * 1e3:>12.2f}ms{r['ratio_to_k_times_one_pass']:>15.3f}"
-                f"{flops / 1e9:>12.3f}{r['achieved_flops'] / 1e9:>9.1f}{r['fraction_of_peak']:>7.1%}"
-                f"{memory[k]:>9.1f}{memory_chunked[k]:>13.1f}"
+                f"{name:<14}{k:>2}{r['flops_per_step'] / 1e9:>12.3f}"
+                + "".join(
+                    f"{'|':>11}"
+                    * (suffix != "")
+                    + f"{r['median_step_seconds' + suffix] * 1e3:>12.2f}ms{r['ratio_to_k_times_one_pass' + suffix]:>15.3f}"
+                    f"{r['fraction_of_peak' + suffix]:>7.1%}{r['device_mib' + suffix]:>9.1f}"
+                    for suffix in ("", "_chunked_loss")
+                )
             )
         results["configs"][name] = {
             "embed_dim": config.model.embed_dim,
             "num_layers": config.model.num_layers,
             "batch_size": config.train.batch_size,
             "seq_len": config.data.seq_len,
+            "loss_chunk_size": chunked.model.loss_chunk_size,
             "by_num_passes": rows,
         }
+    results["peak_flops_median"] = statistics.median(peak.samples)
+    results["peak_flops_range"] = [min(peak.samples), max(peak.samples)]
+    results["peak_sizes"] = list(peak.operands)
     if args.write_docs:
         docs_block.write_block(args.write_docs, "step_cost", docs_text(results, args.smoke))
     print(json.dumps(results))
@@ -148,41 +185,33 @@ def main() -> None:
 
 def docs_text(results: dict, smoke: bool) -> str:
     """The Markdown block for the docs: the machine and peak, then one table row per config and K."""
-    best = max(results["peak_by_size"], key=results["peak_by_size"].get)
-    size = best.removeprefix("matmul_")
+    low, high = results["peak_flops_range"]
+    sizes = ", ".join(f"{n}²" for n in results["peak_sizes"])
     machine = docs_block.machine_line(
-        jax.devices()[:1], f"peak fp32 matmul measured {results['peak_flops'] / 1e9:.0f} GFLOP/s at {size}²", smoke
+        jax.devices()[:1],
+        f"peak fp32 matmul ({sizes}) sampled every round: median {results['peak_flops_median'] / 1e9:.0f} GFLOP/s, "
+        f"range {low / 1e9:.0f}–{high / 1e9:.0f}; MFU is each round's step against that round's peak (median)",
+        smoke,
     )
     rows = []
     for name, c in results["configs"].items():
         label = f"{name} (D={c['embed_dim']}, L={c['num_layers']}, B={c['batch_size']}, T={c['seq_len']})"
         for k, r in c["by_num_passes"].items():
-            rows.append(
-                [
-                    label if k == PASS_COUNTS[0] else "",
-                    k,
-                    docs_block.ms(r["median_step_seconds"]),
-                    f"{r['ratio_to_k_times_one_pass']:.3f}",
-                    f"{r['flops_per_step'] / 1e9:.3g}",
-                    f"{r['achieved_flops'] / 1e9:.1f}",
-                    f"{r['fraction_of_peak']:.0%}",
-                    f"{r['device_mib']:,.0f}",
-                    f"{r['device_mib_chunked_loss']:,.0f}",
+            row = [label if k == PASS_COUNTS[0] else "", k, f"{r['flops_per_step'] / 1e9:.3g}"]
+            for suffix in ("", "_chunked_loss"):
+                row += [
+                    docs_block.ms(r["median_step_seconds" + suffix]),
+                    f"{r['ratio_to_k_times_one_pass' + suffix]:.3f}",
+                    f"{r['fraction_of_peak' + suffix]:.0%}",
+                    f"{r['device_mib' + suffix]:,.0f}",
                 ]
-            )
-    header = [
-        "config",
-        "K",
-        "median step",
-        "t(K) / (K·t(1))",
-        "GFLOP/step",
-        "GFLOP/s",
-        "MFU",
-        "MiB per device",
-        "MiB, chunked loss",
-    ]
+            rows.append(row)
+    chunk = next(iter(results["configs"].values()))["loss_chunk_size"]
+    header = ["config", "K", "GFLOP/step", "median step", "t(K) / (K·t(1))", "MFU", "MiB per device"]
+    header += [f"chunked: {h}" for h in header[3:]]
+    note = f"chunked: the same step with `model.loss_chunk_size={chunk}` (the readout and loss {chunk} positions at a time)."
     return docs_block.block(
-        "step_cost", docs_block.run_arguments(sys.argv[1:]), machine, [docs_block.table(header, rows)]
+        "step_cost", docs_block.run_arguments(sys.argv[1:]), machine, [docs_block.table(header, rows)], [note]
     )
 
 

@@ -8,6 +8,20 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+# One persistent compilation cache for the whole session, shared by this process and every command
+# the tests start (they inherit the environment): most tests run the same tiny programs in a new
+# process, and recompiling them dominated the suite's time. Keys cover the program, the XLA flags
+# and the devices, so a cached program is the program. Removed when the session ends.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="fbt-jax-test-compile-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 import glob  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
