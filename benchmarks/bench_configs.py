@@ -1,5 +1,6 @@
 """The configs the benchmarks measure: configs/tiny.py and configs/fbt_1b.py as they are, and the
-tiny config with a CPU-sized model (the task, optimizer and schedule stay tiny's)."""
+tiny config with a CPU-sized model (the task, optimizer and schedule stay tiny's); and the
+Trainer that times a config's train step for every K."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from fbt_1b import get_config as fbt_1b_config  # noqa: E402
 from tiny import get_config as tiny_config  # noqa: E402
 
-__all__ = ["cpu_medium_config", "fbt_1b_config", "nanodo_configs", "sized_config", "tiny_config"]
+__all__ = ["cpu_medium_config", "every_k_trainer", "fbt_1b_config", "nanodo_configs", "sized_config", "tiny_config"]
 
 
 def sized_config(seq_len: int | None = None, batch_size: int | None = None, **model):
@@ -51,3 +52,13 @@ def nanodo_configs() -> dict:
         )
         for d, layers, heads, batch in ((256, 4, 4, 16), (512, 6, 8, 8))
     }
+
+
+def every_k_trainer(config, devices):
+    """A quiet Trainer for `config` on `devices` whose schedule draws every K in 1..3 (so each K's
+    program is compiled) and which compiles no eval program."""
+    from fbt_jax.train.trainer import Trainer
+
+    config.passes.schedule = "0:1=0.4,2=0.3,3=0.3"
+    config.eval.num_batches = 0
+    return Trainer(config, log=lambda *_: None, devices=devices)

@@ -38,14 +38,13 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import docs_block  # noqa: E402
-from bench_configs import sized_config, tiny_config  # noqa: E402
+from bench_configs import every_k_trainer, sized_config, tiny_config  # noqa: E402
 
 from fbt_jax import decode  # noqa: E402
 from fbt_jax.feedback import kpass_loss  # noqa: E402
 from fbt_jax.flops import train_step_flops  # noqa: E402
 from fbt_jax.hardware import peak_flops_per_device  # noqa: E402
 from fbt_jax.model import ModelConfig, build_model  # noqa: E402
-from fbt_jax.train.trainer import Trainer  # noqa: E402
 
 PASS_COUNTS = (1, 2, 3)
 # (attention_impl, compute_dtype, tolerance relative to the reference's largest entry)
@@ -162,9 +161,7 @@ def speed_config(smoke: bool):
 
 def speed(device: jax.Device, smoke: bool, rounds: int) -> dict:
     config = speed_config(smoke)
-    config.passes.schedule = "0:1=0.4,2=0.3,3=0.3"  # any mixture that compiles every K
-    config.eval.num_batches = 0
-    trainer = Trainer(config, log=lambda *_: None, devices=[device])
+    trainer = every_k_trainer(config, [device])
     compiled = trainer.compile(PASS_COUNTS)
     trainer.init_state()
     batch = trainer.batch("train", 0, config.train.batch_size)

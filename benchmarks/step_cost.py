@@ -29,11 +29,10 @@ import jax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import docs_block  # noqa: E402
-from bench_configs import nanodo_configs, tiny_config  # noqa: E402
+from bench_configs import every_k_trainer, nanodo_configs, tiny_config  # noqa: E402
 
 from fbt_jax.flops import train_step_flops  # noqa: E402
 from fbt_jax.model import ModelConfig  # noqa: E402
-from fbt_jax.train.trainer import Trainer  # noqa: E402
 
 PASS_COUNTS = (1, 2, 3)
 CHUNK = 64  # positions per chunk of the chunked-loss variant
@@ -69,13 +68,6 @@ class MatmulPeak:
         return best
 
 
-def trainer_for(config) -> Trainer:
-    config.passes.schedule = "0:1=0.4,2=0.3,3=0.3"  # any mixture that compiles every K in PASS_COUNTS
-    config.eval.num_batches = 0
-    # One device, like the peak it is compared with (a multi-device mesh is sharding_overhead.py's).
-    return Trainer(config, log=lambda *_: None, devices=jax.devices()[:1])
-
-
 def time_variants(
     variants: dict[str, object], rounds: int, steps_per_round: int, peak: MatmulPeak
 ) -> dict[str, dict[int, dict[str, float]]]:
@@ -84,7 +76,8 @@ def time_variants(
     per-device memory. Every program of every variant runs once per round, in turn."""
     runs = {}
     for label, config in variants.items():
-        trainer = trainer_for(config)
+        # One device, like the peak it is compared with (a multi-device mesh is sharding_overhead.py's).
+        trainer = every_k_trainer(config, jax.devices()[:1])
         report = trainer.compile(PASS_COUNTS)
         trainer.init_state()
         batch = trainer.batch("train", 0, config.train.batch_size)
