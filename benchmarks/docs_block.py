@@ -22,14 +22,14 @@ class DocsBlockError(ValueError):
     """The Markdown file lacks the benchmark's markers (or has them more than once, or reversed)."""
 
 
-def markers(name: str) -> tuple[str, str]:
-    """The begin and end marker lines of benchmark `name` (e.g. "step_cost")."""
-    return f"<!-- begin: benchmarks/{name}.py -->", f"<!-- end: benchmarks/{name}.py -->"
+def markers(name: str, folder: str = "benchmarks") -> tuple[str, str]:
+    """The begin and end marker lines of script `name` (e.g. "step_cost") in `folder`."""
+    return f"<!-- begin: {folder}/{name}.py -->", f"<!-- end: {folder}/{name}.py -->"
 
 
-def replace_block(text: str, name: str, body: str) -> str:
+def replace_block(text: str, name: str, body: str, folder: str = "benchmarks") -> str:
     """`text` with the lines between the markers of `name` replaced by `body`."""
-    begin, end = markers(name)
+    begin, end = markers(name, folder)
     lines = text.splitlines(keepends=True)
     stripped = [line.strip() for line in lines]
     for marker in (begin, end):
@@ -79,24 +79,24 @@ def timing_arguments(
     return args
 
 
-def check_block(path: str, name: str) -> None:
+def check_block(path: str, name: str, folder: str = "benchmarks") -> None:
     """Exit with one line unless `path` can be read and holds the markers of `name` (called before
     measuring, so that a wrong path fails in a second rather than after the whole run)."""
-    _rewrite(path, name, None)
+    _rewrite(path, name, None, folder)
 
 
-def write_block(path: str, name: str, body: str) -> None:
+def write_block(path: str, name: str, body: str, folder: str = "benchmarks") -> None:
     """Replace the block of benchmark `name` in the Markdown file `path`; on any problem, exit
     with one line (`<name>.py: --write-docs <path>: <what is wrong>`)."""
-    _rewrite(path, name, body)
-    print(f"wrote the figures of benchmarks/{name}.py into {path}", file=sys.stderr)
+    _rewrite(path, name, body, folder)
+    print(f"wrote the figures of {folder}/{name}.py into {path}", file=sys.stderr)
 
 
-def _rewrite(path: str, name: str, body: str | None) -> None:
+def _rewrite(path: str, name: str, body: str | None, folder: str = "benchmarks") -> None:
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
-        new_text = replace_block(text, name, body or "")
+        new_text = replace_block(text, name, body or "", folder)
         if body is not None:
             with open(path, "w", encoding="utf-8") as f:
                 f.write(new_text)

@@ -122,6 +122,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.eval.batch_size = 64
     c.eval.num_batches = 4
     c.eval.every_steps = 0
+    # Contraction monitor (fbt_jax/contraction.py): the per-pass change of this many passes beyond
+    # the largest K trained, at every eval and every contraction_every_steps on one held-out batch.
+    c.eval.contraction_passes = 4  # 0: off
+    c.eval.contraction_every_steps = 500  # 0: only at evals
     # Locked: a misspelt field in a config file (c.train.step = 5) is an error, not a new field.
     c.lock()
     return c
@@ -289,6 +293,21 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     if config.dry_run_chip:
         chip_hbm_gib(config.dry_run_chip)  # an unknown chip is a ConfigError naming the known ones
     _require(e.every_steps >= 0, f"eval.every_steps={e.every_steps} is negative; use 0 for a final eval only")
+    _require(
+        e.contraction_passes == 0 or e.contraction_passes >= 2,
+        f"eval.contraction_passes={e.contraction_passes}: a contraction rate needs at least 2 passes; use 0 to turn it off",
+    )
+    monitored_last = max_k + e.contraction_passes
+    _require(
+        e.contraction_passes == 0 or monitored_last <= config.data.seq_len - e.fuse_from + 1,
+        f"eval.contraction_passes={e.contraction_passes}: passes {max_k + 1}..{monitored_last} go beyond "
+        f"data.seq_len - eval.fuse_from + 1 = {config.data.seq_len - e.fuse_from + 1}, where the states are exact and "
+        "stop changing; use fewer passes or longer sequences",
+    )
+    _require(
+        e.contraction_every_steps >= 0,
+        f"eval.contraction_every_steps={e.contraction_every_steps} is negative; use 0 to monitor at evals only",
+    )
     paths.check_config_dirs(config)
     _require(
         not (config.init_from and config.fork_from),

@@ -1,12 +1,15 @@
 """Evaluating a trained checkpoint the way the paper does (`fbt-eval`).
 
-- Feedback-depth stability: loss after k passes for k up to 1000 and the per-pass change
-  ‖Hᵏ − Hᵏ⁻¹‖ / ‖Hᵏ‖ (one compiled `fori_loop` over passes, no gradients). A model trained with
-  some three-pass batches should settle to a fixed point; one trained on {1, 2} only may diverge.
+- Feedback-depth stability: loss after k passes and the per-pass change ‖Hᵏ − Hᵏ⁻¹‖ / ‖Hᵏ‖ over
+  the positions pass k can still change (one compiled chunk of passes, repeated under a progress
+  bar; no gradients), and the contraction monitor's verdict for the passes just beyond the
+  trained K (`contraction.py`). A model trained with some three-pass batches should settle to a
+  fixed point; one trained on {1, 2} only may not.
 - Teacher-forced sequential feedback (method §4) over long sequences, position by position, via
   the soft decoding path: loss and top-state norm along the sequence.
-- Per-position accuracy on the built-in task in each decoding mode.
-- Linear probes on every layer's output, without feedback (K = 1) and with one feedback pass.
+- Per-position accuracy and loss on the built-in task in each decoding mode.
+- Linear probes (`probes.py`) on every layer's output and on the first layer position by position,
+  without feedback, with one feedback pass, and with the exact recurrence.
 """
 
 from __future__ import annotations
@@ -18,17 +21,21 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from fbt_jax import decode, paths
+from fbt_jax import contraction, decode, paths
 from fbt_jax.errors import ArgumentParser, ConfigError, divert_library_noise, reported
-from fbt_jax.feedback import feedback_pass, last_pass_inputs
-from fbt_jax.layers import attention_mask, default_positions
+from fbt_jax.feedback import feedback_pass
+from fbt_jax.layers import default_positions
 from fbt_jax.losses import mean_loss, readout_nll, token_nll_BT
+from fbt_jax.probes import probes, probes_by_position
 
 
-def depth_sweep(model: Any, batch: dict[str, np.ndarray], max_depth: int, fuse_from: int = 1) -> dict[str, np.ndarray]:
-    """Loss and relative state change after each of passes 1 … max_depth (one compile)."""
+def depth_sweep(
+    model: Any, batch: dict[str, np.ndarray], max_depth: int, fuse_from: int = 1, progress: bool = False
+) -> dict[str, np.ndarray]:
+    """Loss after each of passes 1 … max_depth, and each pass's change (`change`, relative, over
+    the positions it can still change; 0 once none can) with its sums (`change_sq`, `state_sq`,
+    as `contraction.summarize` takes them). Passes run in compiled chunks of up to 32."""
     tokens = jnp.asarray(batch["inputs"])
     targets, weights = jnp.asarray(batch["targets"]), jnp.asarray(batch["weights"])
     # Packed text carries per-document positions and segment ids: attention and feedback stay
@@ -36,26 +43,38 @@ def depth_sweep(model: Any, batch: dict[str, np.ndarray], max_depth: int, fuse_f
     positions = jnp.asarray(batch["positions"]) if "positions" in batch else default_positions(tokens.shape)
     segments = jnp.asarray(batch["segment_ids"]) if "segment_ids" in batch else None
     fuse_from_B = jnp.full((tokens.shape[0],), fuse_from, jnp.int32)
+    e = model.embed(tokens)
+    chunk = min(32, max(max_depth - 1, 1))
 
     @jax.jit
-    def run() -> tuple[jax.Array, jax.Array]:
-        e = model.embed(tokens)
-        h0 = model.stack(e, positions, segments)
+    def passes(h: jax.Array, first: jax.Array) -> tuple:
+        """Passes first … first + chunk − 1 from H^(first − 1): the last H, and per pass its
+        loss and change sums."""
 
-        def body(k: jax.Array, carry: tuple) -> tuple:
-            h, losses, changes = carry
+        def body(h: jax.Array, k: jax.Array) -> tuple:
             h_next = feedback_pass(model, e, h, fuse_from_B, positions, segments)
             loss = mean_loss(*readout_nll(model, h_next, targets, weights))
-            change = jnp.linalg.norm((h_next - h).astype(jnp.float32)) / jnp.linalg.norm(h_next.astype(jnp.float32))
-            return h_next, losses.at[k].set(loss), changes.at[k].set(change)
+            return h_next, (loss, *contraction.change_sums(h_next, h, k, fuse_from_B, positions))
 
-        losses = jnp.zeros(max_depth).at[0].set(mean_loss(*readout_nll(model, h0, targets, weights)))
-        changes = jnp.zeros(max_depth).at[0].set(jnp.nan)
-        _, losses, changes = jax.lax.fori_loop(1, max_depth, body, (h0, losses, changes))
-        return losses, changes
+        return jax.lax.scan(body, h, first + jnp.arange(chunk))
 
-    losses, changes = jax.device_get(run())
-    return {"loss": np.asarray(losses), "change": np.asarray(changes)}
+    h = jax.jit(lambda: model.stack(e, positions, segments))()
+    losses = [float(mean_loss(*readout_nll(model, h, targets, weights)))]
+    change_sq, state_sq = [np.nan], [np.nan]
+    from tqdm import tqdm
+
+    with tqdm(total=max_depth, initial=1, unit="pass", disable=not progress, dynamic_ncols=True) as bar:
+        while len(losses) < max_depth:
+            h, (loss, c_sq, s_sq) = passes(h, jnp.int32(len(losses) + 1))
+            take = min(chunk, max_depth - len(losses))
+            losses += np.asarray(loss)[:take].tolist()
+            change_sq += np.asarray(c_sq)[:take].tolist()
+            state_sq += np.asarray(s_sq)[:take].tolist()
+            bar.update(take)
+    change_sq, state_sq = np.asarray(change_sq), np.asarray(state_sq)
+    change = np.where(state_sq > 0, np.sqrt(change_sq / np.maximum(state_sq, 1e-30)), 0.0)
+    change[0] = np.nan
+    return {"loss": np.asarray(losses), "change": change, "change_sq": change_sq, "state_sq": state_sq}
 
 
 def sequential_profile(model: Any, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -77,88 +96,29 @@ def sequential_profile(model: Any, batch: dict[str, np.ndarray]) -> dict[str, np
     return {"loss": np.asarray(loss_T), "state_norm": np.asarray(norm_T)}
 
 
-def mode_accuracy(model: Any, batch: dict[str, np.ndarray], prompt_len: int) -> dict[str, float]:
-    """Accuracy of the argmax prediction at positions ≥ prompt_len when the inputs are fed through
-    each decoding mode (the task's inputs are given; the model predicts each position's label)."""
+def mode_metrics(model: Any, batch: dict[str, np.ndarray], prompt_len: int) -> dict[str, dict[str, float]]:
+    """Accuracy of the argmax prediction and mean loss at positions ≥ prompt_len when the inputs
+    are fed through each decoding mode (the task's inputs are given; the model predicts each
+    position's label)."""
     tokens = jnp.asarray(batch["inputs"])
     B, T = tokens.shape
+    # The prediction made at position t − 1 is for position t − 1's label.
+    labels = jnp.asarray(batch["targets"])[:, prompt_len - 1 : T - 1]
+    weights = jnp.asarray(batch["weights"])[:, prompt_len - 1 : T - 1]
     out = {}
     for mode in decode.MODES:
         state = decode.prefill(model, tokens[:, :prompt_len], jnp.full((B,), prompt_len), T, mode)
 
         def body(state: decode.DecodeState, token_B: jax.Array, mode: str = mode) -> tuple:
-            return decode.step(model, state, token_B, mode), jnp.argmax(state.logits_BV, -1)
+            return decode.step(model, state, token_B, mode), state.logits_BV
 
-        _, predictions_TB = jax.jit(lambda s, body=body: jax.lax.scan(body, s, tokens[:, prompt_len:].T))(state)
-        # The prediction made at position t − 1 is for position t − 1's label.
-        predicted = np.asarray(predictions_TB.T)  # labels of positions prompt_len − 1 … T − 2
-        labels = np.asarray(batch["targets"])[:, prompt_len - 1 : T - 1]
-        weights = np.asarray(batch["weights"])[:, prompt_len - 1 : T - 1]
-        out[mode] = float(np.sum((predicted == labels) * weights) / max(np.sum(weights), 1))
+        _, logits_TBV = jax.jit(lambda s, body=body: jax.lax.scan(body, s, tokens[:, prompt_len:].T))(state)
+        logits_BTV = jnp.swapaxes(logits_TBV, 0, 1)
+        correct = jnp.sum((jnp.argmax(logits_BTV, -1) == labels) * weights)
+        total = jnp.maximum(jnp.sum(weights), 1.0)
+        loss = jnp.sum(token_nll_BT(logits_BTV.astype(jnp.float32), labels, weights))
+        out[mode] = {"accuracy": float(correct / total), "loss": float(loss / total)}
     return out
-
-
-def layer_features(model: Any, tokens: jax.Array, num_passes: int) -> list[np.ndarray]:
-    """Each block's output (layer 0 … L−1) in the last of `num_passes` passes, fully fused."""
-    if model.cfg.scan_layers:
-        raise ConfigError("layer probes need an unscanned model (model.scan_layers=False)")
-    positions = default_positions(tokens.shape)
-    fully_fused = jnp.ones(tokens.shape[0], jnp.int32)
-    _, u = last_pass_inputs(model, model.embed(tokens), fully_fused, num_passes, positions)
-    mask = attention_mask(positions, None)
-    x = u.astype(model.compute_dtype)
-    outputs = []
-    for block in model.blocks:
-        x = block(x, positions, mask)
-        outputs.append(np.asarray(x, np.float32))
-    return outputs
-
-
-def linear_probe(
-    train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, test_y: np.ndarray, steps: int = 300
-) -> float:
-    """Held-out accuracy of a multinomial logistic regression (standardised features, Adam)."""
-    mean, std = train_x.mean(0), train_x.std(0) + 1e-6
-    xtr, xte = jnp.asarray((train_x - mean) / std), jnp.asarray((test_x - mean) / std)
-    classes = int(max(train_y.max(), test_y.max())) + 1
-    params = {"w": jnp.zeros((xtr.shape[1], classes)), "b": jnp.zeros(classes)}
-    tx = optax.adam(0.05)
-
-    def loss_fn(p: dict) -> jax.Array:
-        logits = xtr @ p["w"] + p["b"]
-        return optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(train_y)).mean() + 1e-4 * jnp.sum(
-            p["w"] ** 2
-        )
-
-    @jax.jit
-    def fit(params: dict) -> dict:
-        def body(_: Any, carry: tuple) -> tuple:
-            params, opt = carry
-            grads = jax.grad(loss_fn)(params)
-            updates, opt = tx.update(grads, opt, params)
-            return optax.apply_updates(params, updates), opt
-
-        return jax.lax.fori_loop(0, steps, body, (params, tx.init(params)))[0]
-
-    params = fit(params)
-    predictions = np.asarray(jnp.argmax(xte @ params["w"] + params["b"], -1))
-    return float(np.mean(predictions == test_y))
-
-
-def probes(model: Any, train: dict[str, np.ndarray], test: dict[str, np.ndarray]) -> dict[str, Any]:
-    """Per-layer probe accuracy for the label at every scored position, K = 1 and K = 2."""
-    result: dict[str, Any] = {}
-    tr_mask, te_mask = train["weights"] > 0, test["weights"] > 0
-    counts = np.bincount(test["targets"][te_mask])
-    result["chance"] = float(counts.max() / counts.sum())
-    for k in (1, 2):
-        tr_layers = layer_features(model, jnp.asarray(train["inputs"]), k)
-        te_layers = layer_features(model, jnp.asarray(test["inputs"]), k)
-        result[f"K{k}"] = [
-            linear_probe(a[tr_mask], train["targets"][tr_mask], b[te_mask], test["targets"][te_mask])
-            for a, b in zip(tr_layers, te_layers)
-        ]
-    return result
 
 
 def write_plots(report: dict[str, Any], output: str) -> list[str]:
@@ -192,12 +152,22 @@ def write_plots(report: dict[str, Any], output: str) -> list[str]:
     fig.savefig(paths[-1])
     plt.close(fig)
     if "probes" in report:
-        fig, ax = plt.subplots(figsize=(5, 4))
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         for k in ("K1", "K2"):
-            ax.plot(report["probes"][k], marker="o", label=k)
-        ax.axhline(report["probes"]["chance"], color="gray", linestyle="--", label="chance")
-        ax.set(xlabel="layer", ylabel="probe accuracy", title="linear probes")
-        ax.legend()
+            axes[0].plot(report["probes"][k], marker="o", label=k)
+        axes[0].axhline(report["probes"]["chance"], color="gray", linestyle="--", label="chance")
+        axes[0].set(xlabel="layer", ylabel="probe accuracy", title="linear probes, all positions")
+        axes[0].legend()
+        by_position = report["probes_by_position"]
+        for name, label in (
+            ("K1", "K=1 (no feedback)"),
+            ("K2", "K=2 (one feedback pass)"),
+            ("exact", "exact recurrence"),
+        ):
+            axes[1].plot(by_position["positions"], by_position[name], marker=".", label=label)
+        axes[1].plot(by_position["positions"], by_position["chance"], color="gray", linestyle="--", label="chance")
+        axes[1].set(xlabel="position t", ylabel="probe accuracy", title=f"layer {by_position['layer']}, per position")
+        axes[1].legend()
         fig.tight_layout()
         paths.append(os.path.join(output, "probes.png"))
         fig.savefig(paths[-1])
@@ -205,8 +175,17 @@ def write_plots(report: dict[str, Any], output: str) -> list[str]:
     return paths
 
 
-def evaluate(checkpoint_path: str, output: str, depths: int, seq_len: int, batch_size: int, log: Any = print) -> dict:
+def evaluate(
+    checkpoint_path: str,
+    output: str,
+    depths: int,
+    seq_len: int,
+    batch_size: int,
+    probe_examples: int = 512,
+    log: Any = print,
+) -> dict[str, Any]:
     from fbt_jax.data.pipeline import make_source
+    from fbt_jax.schedule import PassSchedule
     from fbt_jax.trained import load_model
 
     model, config = load_model(checkpoint_path, log)
@@ -215,7 +194,7 @@ def evaluate(checkpoint_path: str, output: str, depths: int, seq_len: int, batch
     elif seq_len:
         log(f"prepared text keeps its records' length {config.data.seq_len} (--seq-len applies to built-in tasks)")
     # From pass T on the states are the exact recurrence, so the default stops at T + 1 (the last
-    # change ~0 confirms it); up to 2T shows it settle, further would only repeat the same states.
+    # change 0 confirms it); up to 2T shows it settle, further would only repeat the same states.
     seq_len = config.data.seq_len
     depths = depths or seq_len + 1
     if depths > 2 * seq_len:
@@ -230,18 +209,29 @@ def evaluate(checkpoint_path: str, output: str, depths: int, seq_len: int, batch
     rows = np.arange(batch_size)
     batch = source.examples(rows)
     report: dict[str, Any] = {"checkpoint": checkpoint_path, "data": config.data.to_dict()}
-    sweep = depth_sweep(model, batch, depths)
+    log(f"depth sweep: passes 1–{depths} on {batch_size} × {seq_len} tokens")
+    sweep = depth_sweep(model, batch, depths, progress=True)
     report["depth"] = {"loss": sweep["loss"].tolist(), "change": sweep["change"].tolist()}
+    trained_max = max(PassSchedule.parse(config.passes.schedule, config.train.steps, config.seed).pass_counts)
+    first, last = contraction.monitored_passes(trained_max, 4)
+    if last <= min(depths, seq_len):
+        sums = {f"change_sq_{k}": sweep["change_sq"][k - 1] for k in range(first, last + 1)}
+        sums |= {f"state_sq_{k}": sweep["state_sq"][k - 1] for k in range(first, last + 1)}
+        report["contraction"] = contraction.summarize(sums, first, last)
     if getattr(source, "packed", False):
         # The cached decode path runs one document per row; packed rows hold several.
         report["sequential"] = {"skipped": "packed text: the sequential profile needs one document per row"}
     else:
         report["sequential"] = {k: v.tolist() for k, v in sequential_profile(model, batch).items()}
     if config.data.source == "task":
-        report["mode_accuracy"] = mode_accuracy(model, batch, prompt_len=max(1, config.data.seq_len // 4))
+        report["modes"] = mode_metrics(model, batch, prompt_len=max(1, config.data.seq_len // 4))
         if config.data.task in ("word_problem", "delayed_recall") and not model.cfg.scan_layers:
-            train = make_source(config, "train").examples(rows)
-            report["probes"] = probes(model, train, batch)
+            # Probes fit D weights per class: they need more rows than the sweep (one probe per position).
+            probe_rows = np.arange(probe_examples)
+            train, test = make_source(config, "train").examples(probe_rows), source.examples(probe_rows)
+            log(f"probes: {probe_examples} training and {probe_examples} validation sequences")
+            report["probes"] = probes(model, train, test)
+            report["probes_by_position"] = probes_by_position(model, train, test)
     os.makedirs(output, exist_ok=True)
     report["plots"] = write_plots(report, output)
     with open(os.path.join(output, "report.json"), "w", encoding="utf-8") as f:
@@ -261,11 +251,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--seq-len", type=int, default=0, help="evaluation length for built-in tasks (default: the trained length)"
     )
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=32, help="validation sequences for the depth sweep and modes")
+    parser.add_argument("--probe-examples", type=int, default=512, help="sequences per split for the probes")
     with reported("fbt-eval"):
         args = parser.parse_args(argv)
         if args.batch_size < 1:
             raise ConfigError(f"--batch-size={args.batch_size} must be at least 1")
+        if args.probe_examples < 16:
+            raise ConfigError(f"--probe-examples={args.probe_examples} is too few to fit a probe; use at least 16")
         if args.max_depth < 0:
             raise ConfigError(
                 f"--max-depth={args.max_depth} is negative; use at least 1, or 0 for the evaluation length + 1"
@@ -279,17 +272,25 @@ def main(argv: list[str] | None = None) -> None:
             # The storage libraries' tracebacks from their threads when a checkpoint does not
             # restore go to this log; the failure itself is reported as one line.
             divert_library_noise(os.path.join(output, "fbt-eval.log"))
-        report = evaluate(checkpoint_path, output, args.max_depth, args.seq_len, args.batch_size)
+        report = evaluate(checkpoint_path, output, args.max_depth, args.seq_len, args.batch_size, args.probe_examples)
     depth = report["depth"]
-    print(
-        f"loss at depth 1 / {len(depth['loss'])}: {depth['loss'][0]:.4f} / {depth['loss'][-1]:.4f}; "
-        f"last per-pass change {depth['change'][-1]:.2e}"
-    )
-    if "mode_accuracy" in report:
-        print("accuracy per mode: " + ", ".join(f"{m} {a:.3f}" for m, a in report["mode_accuracy"].items()))
+    print(f"loss at depth 1 / {len(depth['loss'])}: {depth['loss'][0]:.4f} / {depth['loss'][-1]:.4f}")
+    if "contraction" in report:
+        print(f"contraction monitor, {contraction.describe(report['contraction'])}")
+    if "modes" in report:
+        print(
+            "per decoding mode: "
+            + ", ".join(f"{m} accuracy {r['accuracy']:.3f} loss {r['loss']:.3f}" for m, r in report["modes"].items())
+        )
     if "probes" in report:
-        p = report["probes"]
-        print(f"layer-0 probe: K=1 {p['K1'][0]:.3f}, K=2 {p['K2'][0]:.3f} (chance {p['chance']:.3f})")
+        p, by_position = report["probes"], report["probes_by_position"]
+        print(f"layer-0 probe, all positions: K=1 {p['K1'][0]:.3f}, K=2 {p['K2'][0]:.3f} (chance {p['chance']:.3f})")
+        last = by_position["positions"][-1]
+        print(
+            f"layer-0 probe at the last position t={last}: K=1 {by_position['K1'][-1]:.3f}, "
+            f"K=2 {by_position['K2'][-1]:.3f}, exact recurrence {by_position['exact'][-1]:.3f} "
+            f"(chance {by_position['chance'][-1]:.3f})"
+        )
     print(f"wrote {os.path.join(output, 'report.json')} and {len(report['plots'])} plots")
 
 

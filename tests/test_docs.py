@@ -181,10 +181,11 @@ def test_every_documented_command_is_run_or_marked():
 
 
 def test_figures_in_docs_come_from_their_scripts():
-    """Every block of figures names the benchmark that writes it, which exists, and is filled."""
+    """Every block of figures names the benchmark or experiment that writes it, which exists, and
+    is filled."""
     for doc in DOCS:
         text = open(os.path.join(ROOT, doc), encoding="utf-8").read()
-        for script in re.findall(r"<!-- begin: (benchmarks/\S+\.py) -->", text):
+        for script in re.findall(r"<!-- begin: ((?:benchmarks|experiments)/\S+\.py) -->", text):
             assert os.path.isfile(os.path.join(ROOT, script)), f"{doc}: {script} does not exist"
             block = text.split(f"<!-- begin: {script} -->")[1].split(f"<!-- end: {script} -->")[0]
             assert f"Written by `python {script}" in block, (

@@ -202,7 +202,8 @@ def test_config_docs_give_each_fields_default():
 
 def test_docs_name_only_test_files_that_exist():
     named = set()
-    for doc in ["README.md", *(os.path.join("docs", name) for name in os.listdir(os.path.join(ROOT, "docs")))]:
+    docs = [os.path.join("docs", name) for name in os.listdir(os.path.join(ROOT, "docs")) if name.endswith(".md")]
+    for doc in ["README.md", *docs]:
         with open(os.path.join(ROOT, doc), encoding="utf-8") as f:
             named |= {(doc, path) for path in re.findall(r"tests/test_\w+\.py", f.read())}
     missing = sorted(f"{doc}: {path}" for doc, path in named if not os.path.exists(os.path.join(ROOT, path)))

@@ -42,6 +42,7 @@ def cli_run(tmp_path_factory):
             "--config.optimizer.warmup_steps=4",
             "--config.eval.num_batches=2",
             "--config.eval.every_steps=75",
+            "--config.eval.contraction_every_steps=60",
         ],
         timeout=600,
     )
@@ -87,6 +88,29 @@ def test_cli_writes_eval_and_tensorboard(cli_run):
     assert np.allclose([v for _, v in scalars["loss"]], [r["loss"] for r in rows], rtol=1e-6)
     eval_scalars = scalars
     assert "eval/loss_K2" in eval_scalars
+
+
+def test_cli_logs_the_contraction_monitor_beyond_the_trained_passes(cli_run):
+    """The schedule trains up to K = 3: the monitor measures passes 4..7 every 60 steps (and at the
+    last) into metrics.jsonl and TensorBoard, at every eval into eval.jsonl, and in the summary."""
+    workdir, result = cli_run
+    monitored = {f"pass_change_K{k}" for k in range(4, 8)} | {"contraction_rate", "contracting"}
+    rows = {r["step"]: r for r in read_jsonl(workdir)}
+    assert [step for step, r in rows.items() if "contraction_rate" in r] == [60, 120, 150]
+    for step in (60, 120, 150):
+        assert monitored <= rows[step].keys()
+        assert "pass_change_K3" not in rows[step] and "pass_change_K8" not in rows[step]
+        changes = [rows[step][f"pass_change_K{k}"] for k in range(4, 8)]
+        assert all(np.isfinite(changes)) and min(changes) > 0
+        rate = (changes[-1] / changes[0]) ** (1 / 3)
+        assert rows[step]["contraction_rate"] == pytest.approx(rate)
+        assert rows[step]["contracting"] == float(rate < 1 and changes[-1] < 1)
+    evals = read_jsonl(workdir, "eval.jsonl")
+    assert all(monitored <= e.keys() for e in evals)
+    scalars = read_event_scalars(os.path.join(workdir, "tensorboard"))
+    assert [step for step, _ in scalars["contraction_rate"]] == [60, 120, 150]
+    assert "eval/contraction_rate" in scalars
+    assert "contraction monitor, passes 4–7: per-pass change" in result.stdout
 
 
 @pytest.mark.parametrize(

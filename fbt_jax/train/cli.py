@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from fbt_jax import distributed, paths, workdir
+from fbt_jax import contraction, distributed, paths, workdir
 from fbt_jax.config import validate_config
 from fbt_jax.errors import UsageError, divert_library_noise, reported
 
@@ -53,6 +53,8 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"  K={k}: loss {summary['eval'][f'loss_K{k}']:.4f}  accuracy {summary['eval'][f'accuracy_K{k}']:.3f}"
             for k in ks
         ]
+        if "contraction_rate" in summary["eval"]:
+            lines.append(f"  contraction monitor, {contraction.describe(summary['eval'])}")
     out = summary["outputs"]
     lines.append(f"outputs in {out['workdir']}:")
     lines += [f"  {name:<12}{out[name]}" for name in ("metrics", "eval", "tensorboard", "config")]

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from fbt_jax import checkpoint, workdir
+from fbt_jax import checkpoint, contraction, workdir
 from fbt_jax.errors import Preempted
 from fbt_jax.metrics import MetricsWriter
 from fbt_jax.train.loop import Hook, StepEnd
@@ -46,6 +46,7 @@ class MetricsLogger(Hook):
         self.writer, self.log_every, self.saved_steps, self.also_at = writer, log_every, saved_steps, also_at
         self.bar = progress_bar(steps, enabled=progress and jax.process_index() == 0, initial=start_step)
         self.shown = ""
+        self.contraction = ""  # the monitor's last reading, shown until the next one
 
     def wants(self, end: StepEnd) -> bool:
         return end.step % self.log_every == 0 or end.last or end.stopping or self.also_at(end)
@@ -59,6 +60,11 @@ class MetricsLogger(Hook):
         self.shown = f", loss={record['loss']:.3f}, tok/s={record['tokens_per_second']:,.0f}"
         if "mfu" in record:
             self.shown += f", MFU={100 * record['mfu']:.1f}%"
+        if "contraction_rate" in record:
+            self.contraction = f", contraction ×{record['contraction_rate']:.2f}" + (
+                "" if record["contracting"] else " (NOT)"
+            )
+        self.shown += self.contraction
         if not (np.isfinite(record["loss"]) and np.isfinite(record["grad_norm"])):
             saved = self.saved_steps()
             raise FloatingPointError(
@@ -146,8 +152,14 @@ class Evaluator(Hook):
 
     counts_as_training = False
 
-    def __init__(self, evaluate: Callable[[TrainState], dict[str, float]], writer: MetricsWriter, every_steps: int):
-        self.evaluate, self.writer, self.every_steps = evaluate, writer, every_steps
+    def __init__(
+        self,
+        evaluate: Callable[[TrainState], dict[str, float]],
+        writer: MetricsWriter,
+        every_steps: int,
+        log: Callable[[str], None] = print,
+    ):
+        self.evaluate, self.writer, self.every_steps, self.log = evaluate, writer, every_steps, log
         self.results: dict[str, float] = {}
 
     def wants(self, end: StepEnd) -> bool:
@@ -157,6 +169,34 @@ class Evaluator(Hook):
         if self.wants(end):
             self.results = self.evaluate(state)
             self.writer.write(end.step, self.results, stream="eval")
+            warning = contraction.warning(self.results, end.step)
+            if warning:
+                self.log(warning)
+
+
+class ContractionMonitor(Hook):
+    """Every `every_steps` and at the last step, adds the contraction monitor's metrics (measured
+    on one fixed held-out batch) to the step's record, before the logger writes it to
+    metrics.jsonl, TensorBoard and the progress bar; logs a warning when the map does not contract."""
+
+    reads_metrics = True
+    counts_as_training = False
+
+    def __init__(self, measure: Callable[[TrainState], dict[str, float]], every_steps: int, log: Callable[[str], None]):
+        self.measure, self.every_steps, self.log = measure, every_steps, log
+
+    def measures(self, end: StepEnd) -> bool:
+        """Whether this step is measured (the logger writes at these steps too)."""
+        return end.last or end.step % self.every_steps == 0
+
+    def wants(self, end: StepEnd) -> bool:
+        return self.measures(end)
+
+    def on_interval(self, end: StepEnd, record: dict[str, float], state: TrainState) -> None:
+        record |= self.measure(state)
+        warning = contraction.warning(record, end.step)
+        if warning:
+            self.log(warning)
 
 
 class PreemptionWatcher:

@@ -19,10 +19,10 @@ import ml_collections
 import optax
 from flax import nnx
 
-from fbt_jax import sharding
+from fbt_jax import contraction, sharding
 from fbt_jax.model import ModelConfig, abstract_model, build_model
 from fbt_jax.schedule import PassSchedule
-from fbt_jax.train.step import TrainState, eval_step, make_optimizer, step_settings, train_step
+from fbt_jax.train.step import TrainState, contraction_step, eval_step, make_optimizer, step_settings, train_step
 
 
 class TrainPrograms:
@@ -48,6 +48,14 @@ class TrainPrograms:
         self.state_shardings = self._state_shardings()
         self.train: dict[int, Any] = {}  # K → compiled train step
         self.eval: Any = None  # compiled eval step (every K up to max(eval.num_passes)), if evaluating
+        self.contraction: Any = None  # compiled contraction monitor on one held-out batch, if on
+        e = config.eval
+        # The passes the contraction monitor measures: just beyond the largest K trained.
+        self.monitored = (
+            contraction.monitored_passes(max(schedule.pass_counts), e.contraction_passes)
+            if e.contraction_passes
+            else None
+        )
 
     def _initial_state(self) -> TrainState:
         model = build_model(self.model_cfg, self.config.seed, self.layout)
@@ -117,13 +125,28 @@ class TrainPrograms:
         e = self.config.eval
         if e.num_batches > 0:
             eval_fn = functools.partial(
-                eval_step, graphdef=self.graphdef, num_passes=max(e.num_passes), fuse_from=e.fuse_from
+                eval_step,
+                graphdef=self.graphdef,
+                num_passes=max(e.num_passes),
+                fuse_from=e.fuse_from,
+                monitored=self.monitored,
             )
             jitted = jax.jit(
                 eval_fn, in_shardings=(self.state_shardings.params, self.batch_sharding), out_shardings=replicated
             )
             self.eval, report["eval"] = compile_aot(jitted, abstract_state.params, self.abstract_batch(e.batch_size))
             self.log(f"compiled eval (K up to {max(e.num_passes)}): {describe(report['eval'])}")
+        if self.monitored and e.contraction_every_steps > 0:
+            monitor_fn = functools.partial(
+                contraction_step, graphdef=self.graphdef, fuse_from=e.fuse_from, monitored=self.monitored
+            )
+            jitted = jax.jit(
+                monitor_fn, in_shardings=(self.state_shardings.params, self.batch_sharding), out_shardings=replicated
+            )
+            batch = self.abstract_batch(e.batch_size)
+            self.contraction, report["contraction"] = compile_aot(jitted, abstract_state.params, batch)
+            first, last = self.monitored
+            self.log(f"compiled contraction monitor (passes {first}–{last}): {describe(report['contraction'])}")
         return report
 
 

@@ -14,7 +14,9 @@ import ml_collections
 import optax
 from flax import nnx, struct
 
+from fbt_jax.contraction import pass_change_sums
 from fbt_jax.feedback import PassOptions, draw_fuse_from, kpass_forward, kpass_loss
+from fbt_jax.layers import default_positions
 from fbt_jax.losses import readout_stats
 
 
@@ -140,6 +142,26 @@ def accumulate(grad_fn: Any, params: nnx.State, whole: dict[str, jax.Array], mic
     return total
 
 
+def _held_out_passes(
+    model: Any, batch: dict[str, jax.Array], fuse_from: int, num_passes: int
+) -> tuple[list[jax.Array], jax.Array, jax.Array]:
+    """States of passes 1..num_passes (no noise), each row fused from `fuse_from`, and the
+    positions and fuse-from indices the contraction sums need."""
+    fuse_from_B = jnp.full((batch["inputs"].shape[0],), fuse_from, jnp.int32)
+    positions_BT = batch.get("positions")
+    states = kpass_forward(
+        model,
+        batch["inputs"],
+        fuse_from_B,
+        num_passes,
+        positions_BT=positions_BT,
+        segment_ids_BT=batch.get("segment_ids"),
+    )
+    if positions_BT is None:
+        positions_BT = default_positions(batch["inputs"].shape)
+    return states, fuse_from_B, positions_BT
+
+
 def eval_step(
     params: nnx.State,
     batch: dict[str, jax.Array],
@@ -147,29 +169,41 @@ def eval_step(
     graphdef: nnx.GraphDef,
     num_passes: int,
     fuse_from: int,
+    monitored: tuple[int, int] | None = None,
 ) -> dict[str, jax.Array]:
-    """Summed NLL, correct tokens and weight for each pass 1..num_passes (no noise).
+    """Summed NLL, correct tokens and weight for each pass 1..num_passes (no noise), and for the
+    `monitored` (first, last) passes the contraction monitor's sums (`contraction.py`).
 
     Without noise, pass k of a K-pass forward equals the last pass of a k-pass forward, so one
     program with the largest K evaluates every smaller K too.
     """
     model = nnx.merge(graphdef, params)
-    fuse_from_B = jnp.full((batch["inputs"].shape[0],), fuse_from, jnp.int32)
-    states = kpass_forward(
-        model,
-        batch["inputs"],
-        fuse_from_B,
-        num_passes,
-        positions_BT=batch.get("positions"),
-        segment_ids_BT=batch.get("segment_ids"),
-    )
+    deepest = max(num_passes, monitored[1]) if monitored else num_passes
+    states, fuse_from_B, positions_BT = _held_out_passes(model, batch, fuse_from, deepest)
     out = {}
-    for k, h_BTD in enumerate(states, start=1):
+    for k, h_BTD in enumerate(states[:num_passes], start=1):
         out |= {
             f"{name}_{k}": value
             for name, value in readout_stats(model, h_BTD, batch["targets"], batch["weights"]).items()
         }
+    if monitored:
+        out |= pass_change_sums(states, *monitored, fuse_from_B, positions_BT)
     return out
+
+
+def contraction_step(
+    params: nnx.State,
+    batch: dict[str, jax.Array],
+    *,
+    graphdef: nnx.GraphDef,
+    fuse_from: int,
+    monitored: tuple[int, int],
+) -> dict[str, jax.Array]:
+    """Only the contraction monitor's sums on one held-out batch: the forward passes without any
+    readout (cheap enough to run every few hundred steps)."""
+    model = nnx.merge(graphdef, params)
+    states, fuse_from_B, positions_BT = _held_out_passes(model, batch, fuse_from, monitored[1])
+    return pass_change_sums(states, *monitored, fuse_from_B, positions_BT)
 
 
 def all_finite(tree: Any) -> jax.Array:

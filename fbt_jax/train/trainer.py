@@ -15,7 +15,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from fbt_jax import checkpoint, distributed, paths, sharding, trained, workdir
+from fbt_jax import checkpoint, contraction, distributed, paths, sharding, trained, workdir
 from fbt_jax.config import validate_config
 from fbt_jax.data.pipeline import StepBatches, batch_iterator, make_source
 from fbt_jax.errors import CheckpointError, ConfigError
@@ -39,7 +39,8 @@ class Trainer:
         devices = list(jax.devices() if devices is None else devices)
         self.schedule: PassSchedule = validate_config(config, num_devices=len(devices))
         self.sources = {"train": make_source(config, "train")}
-        if config.eval.num_batches > 0:
+        e = config.eval
+        if e.num_batches > 0 or (e.contraction_passes and e.contraction_every_steps):  # eval or the monitor
             self.sources["validation"] = make_source(config, "validation")
         data_vocab = self.sources["train"].vocab_size
         if data_vocab > config.model.vocab_size:  # prepared data is known only now
@@ -49,6 +50,7 @@ class Trainer:
             )
         self.programs = TrainPrograms(config, self.schedule, devices, self.sources["train"].packed, self.log)
         self.state: TrainState | None = None
+        self._monitor_batch: dict[str, jax.Array] | None = None  # the contraction monitor's fixed batch
         self.resumed = False  # whether the state came from this run's own checkpoint
 
     # Data: every process loads only the rows of each global batch that its devices hold.
@@ -143,7 +145,17 @@ class Trainer:
         for k in sorted(set(e.num_passes)):
             results[f"loss_K{k}"] = totals[f"nll_{k}"] / max(totals[f"weight_{k}"], 1e-8)
             results[f"accuracy_K{k}"] = totals[f"correct_{k}"] / max(totals[f"weight_{k}"], 1e-8)
+        if self.programs.monitored:
+            results |= contraction.summarize(totals, *self.programs.monitored)
         return results
+
+    def monitor_contraction(self, state: TrainState | None = None) -> dict[str, float]:
+        """The contraction monitor on one fixed held-out batch (validation batch 0)."""
+        e = self.config.eval
+        if self._monitor_batch is None:
+            self._monitor_batch = self.to_global(self.step_batches("validation", e.batch_size)(0), e.batch_size)
+        totals = jax.device_get(self.programs.contraction((state or self.state).params, self._monitor_batch))
+        return contraction.summarize({k: float(v) for k, v in totals.items()}, *self.programs.monitored)
 
     def peak_flops(self) -> tuple[float, str]:
         """Peak FLOP/s of one device for MFU, and where the figure comes from."""
@@ -187,6 +199,11 @@ class Trainer:
         compile_report = self.compile(tuple(sorted({self.schedule.num_passes(s) for s in range(start_step, steps)})))
         writer = MetricsWriter(run_dir.local, resume_step=start_step)
         saver = hooks.CheckpointSaver(checkpointer, cfg, run_dir, self.log) if checkpointer is not None else None
+        monitor = None
+        if self.programs.contraction is not None:
+            monitor = hooks.ContractionMonitor(self.monitor_contraction, cfg.eval.contraction_every_steps, self.log)
+        # The logger also writes at every step that saves (after its finiteness check) or is measured.
+        also_at = ([saver.saves] if saver else []) + ([monitor.measures] if monitor else [])
         logger = hooks.MetricsLogger(
             writer,
             cfg.train.log_every,
@@ -194,7 +211,7 @@ class Trainer:
             start_step,
             progress,
             saved_steps=saver.checkpointer.steps if saver else list,
-            also_at=saver.saves if saver else lambda end: False,
+            also_at=lambda end: any(due(end) for due in also_at),
         )
         peak_per_device, peak_source = self.peak_flops()
         self.log(f"MFU against {peak_source} × {self.programs.mesh.size} device(s)")
@@ -205,10 +222,11 @@ class Trainer:
             peak_per_device * self.programs.mesh.size,
             when=logger.wants,
         )
-        run_hooks: list[hooks.Hook] = [throughput, logger, saver] if saver else [throughput, logger]
+        # Hooks that add to a step's record (throughput, the monitor) come before the logger writes it.
+        run_hooks: list[hooks.Hook] = [h for h in (throughput, monitor, logger, saver) if h is not None]
         evaluator = None
         if self.programs.eval is not None:
-            evaluator = hooks.Evaluator(self.evaluate, writer, cfg.eval.every_steps)
+            evaluator = hooks.Evaluator(self.evaluate, writer, cfg.eval.every_steps, self.log)
             run_hooks.append(evaluator)
         d = cfg.data
         local_batches = batch_iterator(self.step_batches("train", batch_size), start_step, d.num_workers, d.prefetch)

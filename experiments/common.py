@@ -1,0 +1,178 @@
+"""What the experiment scripts share: running a sweep, loading its models, mean ± std over seeds,
+and writing each experiment's block of docs/results.md.
+
+Every experiment is one script, `python experiments/<name>.py [--smoke] [--write-docs PATH]`.
+It trains what it needs with `fbt-sweep` (so a rerun skips what is finished and resumes what was
+interrupted), evaluates the trained checkpoints with `fbt_jax.evaluate`, and rewrites the block
+between `<!-- begin: experiments/<name>.py -->` and `<!-- end: experiments/<name>.py -->`.
+`--smoke` runs the same code at a few steps into a temporary directory (the tests run it).
+The state-tracking sweep (`runs/experiments/state_tracking`) is shared: the depth-stability and
+probe experiments evaluate its models rather than train their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+import docs_block  # noqa: E402  (benchmarks/docs_block.py: the marker-delimited blocks)
+
+from fbt_jax.sweep.report import gather  # noqa: E402
+from fbt_jax.sweep.state import SweepDirectory  # noqa: E402
+
+
+def arguments(doc: str, name: str, extra: Sequence[tuple[str, dict]] = ()) -> argparse.Namespace:
+    """--smoke, --write-docs PATH and --dir (where the sweeps go); a --write-docs file without
+    this experiment's markers fails here, before anything is trained."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    for flag, options in extra:
+        parser.add_argument(flag, **options)
+    parser.add_argument("--smoke", action="store_true", help="a few steps into a temporary directory (tests)")
+    parser.add_argument(
+        "--write-docs", metavar="PATH", help="rewrite this experiment's block in the Markdown file PATH"
+    )
+    parser.add_argument(
+        "--dir",
+        default="",
+        help="this experiment's directory (default: runs/experiments/<name>); "
+        "sweeps shared with other experiments go beside it",
+    )
+    args = parser.parse_args()
+    if args.write_docs:
+        docs_block.check_block(args.write_docs, name, folder="experiments")
+    if not args.dir:
+        root = tempfile.mkdtemp(prefix="fbt-experiments-") if args.smoke else os.path.join("runs", "experiments")
+        args.dir = os.path.join(root, name)
+    # Experiments share sweeps (the state-tracking models) through this parent directory.
+    args.sweeps_dir = os.path.dirname(os.path.abspath(args.dir))
+    return args
+
+
+def run_sweep(spec: str, directory: str, overrides: Sequence[str] = (), parallel: int = 2) -> list[dict[str, Any]]:
+    """Train (or finish) the sweep of `spec` in `directory`; one record per run, as `fbt-sweep
+    report` gathers them (labels, final eval metrics, curve), plus the run's `workdir`."""
+    command = ["fbt-sweep", "run", spec, f"--dir={directory}", f"--parallel={parallel}"]
+    command += [f"--override={o}" for o in overrides]
+    print("$ " + " ".join(command), flush=True)
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    sweep_dir = SweepDirectory(directory, os.path.basename(directory.rstrip("/")))
+    sweep, jobs = sweep_dir.load()
+    by_name = {job.name: job for job in jobs}
+    rows = gather(sweep_dir, sweep, jobs)
+    if len(rows) != len(sweep.runs):
+        raise RuntimeError(f"{len(sweep.runs) - len(rows)} runs of {directory} did not finish; see `fbt-sweep status`")
+    for row in rows:
+        row["workdir"] = by_name[row["run"]].workdir
+    return rows
+
+
+def load_spec(path: str) -> dict[str, Any]:
+    """A sweep spec's dict, with its `base` made absolute (so that a changed copy can live anywhere)."""
+    import importlib.util
+
+    module_spec = importlib.util.spec_from_file_location("sweep_spec", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    sweep = module.get_sweep()
+    sweep["base"] = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), sweep["base"]))
+    return sweep
+
+
+SMOKE_OVERRIDES = {
+    "train.steps": 24,
+    "checkpoint.every_steps": 12,
+    "eval.every_steps": 12,
+    "eval.num_batches": 1,
+    "eval.contraction_every_steps": 0,
+}
+
+
+def smoke_spec(path: str, sweeps_dir: str, schedules: Sequence[str], **overrides: Any) -> str:
+    """A smoke copy of the spec at `path`: 24 steps, one seed, its first run only, the given
+    schedules, and `overrides` (dotted names with '__' for '.'). Written to
+    `<sweeps_dir>/smoke-specs/`, so that experiments sharing a sweep share its smoke copy too."""
+    sweep = load_spec(path)
+    sweep["overrides"] |= SMOKE_OVERRIDES | {k.replace("__", "."): v for k, v in overrides.items()}
+    if "runs" in sweep:
+        sweep["runs"] = sweep["runs"][:1]
+    sweep["grid"]["passes.schedule"] = {k: sweep["grid"]["passes.schedule"][k] for k in schedules}
+    sweep["seeds"] = [0]
+    directory = os.path.join(sweeps_dir, "smoke-specs")
+    os.makedirs(directory, exist_ok=True)
+    out = os.path.join(directory, os.path.basename(path))
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(f"def get_sweep():\n    return {sweep!r}\n")
+    return out
+
+
+def sweep_minutes(directory: str) -> float:
+    """Minutes of job time the sweep in `directory` took: every job's wall time, all attempts,
+    summed (with `--parallel=2` the wall clock was about half of it)."""
+    sweep_dir = SweepDirectory(directory, os.path.basename(directory.rstrip("/")))
+    _, jobs = sweep_dir.load()
+    return sum(sweep_dir.job_seconds(job.name) or 0.0 for job in jobs) / 60
+
+
+def state_tracking_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The state-tracking sweep's runs (`configs/sweeps/state_tracking.py`), trained now if they
+    are not yet; the smoke copy keeps the three schedules the experiments read (k1, k12, paper)."""
+    spec = os.path.join(REPO, "configs", "sweeps", "state_tracking.py")
+    if args.smoke:
+        spec = smoke_spec(spec, args.sweeps_dir, ("k1", "k12", "paper"))
+    return run_sweep(spec, os.path.join(args.sweeps_dir, "state_tracking"))
+
+
+def mean_std(values: Sequence[float], digits: int = 3) -> str:
+    """'0.423 ± 0.012' (sample std over seeds; '0.423' alone for one value)."""
+    values = np.asarray(values, float)
+    if len(values) < 2:
+        return f"{values.mean():.{digits}f}"
+    return f"{values.mean():.{digits}f} ± {values.std(ddof=1):.{digits}f}"
+
+
+def by_label(rows: Sequence[dict[str, Any]], label: str) -> dict[str, list[dict[str, Any]]]:
+    """Rows grouped by one label (e.g. 'schedule'), in first-seen order; the seeds are the members."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        out.setdefault(row[f"label.{label}"], []).append(row)
+    return out
+
+
+def machine() -> str:
+    return f"{platform.machine()} CPU, {os.cpu_count()} cores"
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def minutes(self) -> float:
+        return (time.perf_counter() - self.start) / 60
+
+
+def finish(args: argparse.Namespace, name: str, body: str) -> None:
+    """Print the block and write it into --write-docs."""
+    print(body)
+    if args.write_docs:
+        docs_block.write_block(args.write_docs, name, body, folder="experiments")
+
+
+def plot_path(args: argparse.Namespace, name: str) -> str:
+    """Where a plot goes: docs/results/<name>.png beside --write-docs, else the sweep directory."""
+    directory = (
+        os.path.join(os.path.dirname(os.path.abspath(args.write_docs)), "results") if args.write_docs else args.dir
+    )
+    os.makedirs(directory, exist_ok=True)
+    return os.path.join(directory, f"{name}.png")

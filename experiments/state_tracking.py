@@ -1,0 +1,103 @@
+"""Pass mixtures on state tracking: held-out accuracy and loss per eval K and per decoding mode.
+
+Trains `configs/sweeps/state_tracking.py` (S3 and S5 word problems; K = 1 only, {1, 2}, the
+paper's 75/22/3 and a heavier 50/25/25 mixture; three seeds) and evaluates every final
+checkpoint on 256 held-out sequences:
+
+- per eval K (the K-pass forward, fully fused from position 1), from the runs' own final eval;
+- per decoding mode (standard, soft, fused), inputs teacher-forced after a 4-token prompt
+  (`fbt_jax.evaluate.mode_metrics`), scored on the positions after the prompt.
+
+    python experiments/state_tracking.py --write-docs docs/results.md
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import common
+import numpy as np
+
+from fbt_jax.data.pipeline import make_source
+from fbt_jax.evaluate import mode_metrics
+from fbt_jax.trained import load_model
+
+NAME = "state_tracking"
+MODES = ("standard", "soft", "fused")
+
+
+def evaluate_modes(row: dict[str, Any], num_sequences: int) -> dict[str, dict[str, float]]:
+    model, config = load_model(row["workdir"], log=lambda *_: None)
+    batch = make_source(config, "validation").examples(np.arange(num_sequences))
+    return mode_metrics(model, batch, prompt_len=max(1, config.data.seq_len // 4))
+
+
+def tables(rows: list[dict[str, Any]]) -> str:
+    out = []
+    for group, members in common.by_label(rows, "run").items():
+        for metric, title in (("accuracy", "accuracy (higher is better)"), ("loss", "loss (nats)")):
+            header = ["mixture", "mean K"] + [f"K={k}" for k in (1, 2, 3)] + list(MODES)
+            lines = []
+            for schedule, seeds in common.by_label(members, "schedule").items():
+                cells = [schedule, f"{np.mean([r['mean_num_passes'] for r in seeds]):.2f}"]
+                cells += [common.mean_std([r[f"final_{metric}_K{k}"] for r in seeds]) for k in (1, 2, 3)]
+                cells += [common.mean_std([r["modes"][m][metric] for r in seeds]) for m in MODES]
+                lines.append(cells)
+            out.append(f"**{group}, held-out {title}**, mean ± std over {len(seeds)} seeds:\n")
+            out.append(common.docs_block.table(header, lines) + "\n")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = common.by_label(rows, "run")
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), squeeze=False)
+    columns = [f"K={k}" for k in (1, 2, 3)] + list(MODES)
+    for ax, (group, members) in zip(axes[0], groups.items()):
+        schedules = common.by_label(members, "schedule")
+        width = 0.8 / len(schedules)
+        for i, (schedule, seeds) in enumerate(schedules.items()):
+            values = [[r[f"final_accuracy_K{k}"] for r in seeds] for k in (1, 2, 3)]
+            values += [[r["modes"][m]["accuracy"] for r in seeds] for m in MODES]
+            x = np.arange(len(columns)) + i * width
+            ax.bar(x, [np.mean(v) for v in values], width, yerr=[np.std(v) for v in values], label=schedule)
+        ax.set_xticks(np.arange(len(columns)) + 0.4 - width / 2, columns)
+        ax.set(title=f"{group} word problem, held-out accuracy", ylabel="accuracy")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main() -> None:
+    args = common.arguments(__doc__, NAME)
+    timer = common.Timer()
+    rows = common.state_tracking_runs(args)
+    train_minutes = common.sweep_minutes(os.path.join(args.sweeps_dir, NAME))
+    num_sequences = 32 if args.smoke else 256
+    for row in rows:
+        row["modes"] = evaluate_modes(row, num_sequences)
+    figure = common.plot_path(args, NAME)
+    plot(rows, figure)
+    steps = rows[0]["tokens"] // (32 * 16)
+    body = [
+        f"Written by `python experiments/{NAME}.py{' --smoke' if args.smoke else ''}` on {common.machine()}: "
+        f"{len(rows)} runs of {steps} steps (batch 32 × 16 tokens, model width 64, 2 layers), trained by "
+        f"`fbt-sweep run configs/sweeps/{NAME}.py --parallel=2` ({train_minutes:.0f} min of job time, two "
+        f"jobs at a time); the mode evaluations on {num_sequences} held-out sequences took {timer.minutes():.1f} min.",
+        "",
+        tables(rows),
+        f"![held-out accuracy per eval K and decoding mode](results/{os.path.basename(figure)})",
+    ]
+    if args.smoke:
+        body.insert(1, "\nSmoke run (a few steps): these figures only show that the experiment runs.")
+    common.finish(args, NAME, "\n".join(body))
+
+
+if __name__ == "__main__":
+    main()
