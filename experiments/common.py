@@ -92,6 +92,7 @@ def load_spec(path: str) -> dict[str, Any]:
 
 SMOKE_OVERRIDES = {
     "train.steps": 24,
+    "optimizer.warmup_steps": 4,
     "checkpoint.every_steps": 12,
     "eval.every_steps": 12,
     "eval.num_batches": 1,
@@ -163,10 +164,29 @@ class Timer:
 
 
 def finish(args: argparse.Namespace, name: str, body: str) -> None:
-    """Print the block and write it into --write-docs."""
+    """Print the block (after its first line, a note on a smoke run) and write it into --write-docs."""
+    if args.smoke:
+        first, _, rest = body.partition("\n")
+        body = f"{first}\n\nSmoke run (a few steps): these figures only show that the experiment runs.\n{rest}"
     print(body)
     if args.write_docs:
         docs_block.write_block(args.write_docs, name, body, folder="experiments")
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
 
 
 def plot_path(args: argparse.Namespace, name: str) -> str:

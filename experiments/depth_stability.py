@@ -57,11 +57,7 @@ def table(rows: list[dict[str, Any]], depths: list[int]) -> str:
 
 
 def plot(parts: list[tuple[str, list[dict[str, Any]]]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = common.pyplot()
     fig, axes = plt.subplots(2, len(parts), figsize=(6 * len(parts), 8), squeeze=False)
     for column, (title, rows) in enumerate(parts):
         for i, (schedule, seeds) in enumerate(common.by_label(rows, "schedule").items()):
@@ -75,9 +71,7 @@ def plot(parts: list[tuple[str, list[dict[str, Any]]]], path: str) -> None:
         axes[1, column].set(xlabel="k", ylabel="‖Hᵏ − Hᵏ⁻¹‖ / ‖Hᵏ‖ (positions still open)")
         axes[0, column].legend()
         axes[1, column].legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 def main() -> None:
@@ -85,9 +79,7 @@ def main() -> None:
     timer = common.Timer()
     long_spec = LONG_SPEC
     if args.smoke:
-        long_spec = common.smoke_spec(
-            LONG_SPEC, args.sweeps_dir, SCHEDULES, data__seq_len=64, optimizer__warmup_steps=5
-        )
+        long_spec = common.smoke_spec(LONG_SPEC, args.sweeps_dir, SCHEDULES, data__seq_len=64)
     # The 16-token models are the state-tracking experiment's (trained there, or here if not yet).
     short = [r for r in common.state_tracking_runs(args) if r["label.run"] == "S3"]
     short = [r for r in short if r["label.schedule"] in SCHEDULES]
@@ -117,8 +109,6 @@ def main() -> None:
         "",
         f"![loss and per-pass change against feedback depth](results/{os.path.basename(figure)})",
     ]
-    if args.smoke:
-        body.insert(1, "\nSmoke run (a few steps): these figures only show that the experiment runs.")
     common.finish(args, NAME, "\n".join(body))
 
 

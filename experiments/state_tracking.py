@@ -49,12 +49,31 @@ def tables(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def monitor_table(rows: list[dict[str, Any]]) -> str:
+    """The contraction monitor at each run's final eval: the passes just beyond its trained K."""
+    header = ["task", "mixture", "passes", "first change", "last change", "rate per pass", "contracting"]
+    lines = []
+    for group, members in common.by_label(rows, "run").items():
+        for schedule, seeds in common.by_label(members, "schedule").items():
+            finals = [r["curve"][-1][1] for r in seeds]
+            passes = sorted(int(k.removeprefix("pass_change_K")) for k in finals[0] if k.startswith("pass_change_K"))
+            first, last = passes[0], passes[-1]
+            lines.append(
+                [
+                    group,
+                    schedule,
+                    f"{first}–{last}",
+                    common.mean_std([f[f"pass_change_K{first}"] for f in finals]),
+                    common.mean_std([f[f"pass_change_K{last}"] for f in finals]),
+                    common.mean_std([f["contraction_rate"] for f in finals]),
+                    f"{sum(int(f['contracting']) for f in finals)} of {len(finals)}",
+                ]
+            )
+    return common.docs_block.table(header, lines)
+
+
 def plot(rows: list[dict[str, Any]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = common.pyplot()
     groups = common.by_label(rows, "run")
     fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), squeeze=False)
     columns = [f"K={k}" for k in (1, 2, 3)] + list(MODES)
@@ -69,9 +88,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         ax.set_xticks(np.arange(len(columns)) + 0.4 - width / 2, columns)
         ax.set(title=f"{group} word problem, held-out accuracy", ylabel="accuracy")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 def main() -> None:
@@ -92,10 +109,13 @@ def main() -> None:
         f"jobs at a time); the mode evaluations on {num_sequences} held-out sequences took {timer.minutes():.1f} min.",
         "",
         tables(rows),
+        "The contraction monitor at the final eval (`eval.jsonl`: the relative per-pass change of the 4 passes after "
+        "the largest K each mixture trained, over all eval sequences; contracting = rate below 1 and last change "
+        "below 1):\n",
+        monitor_table(rows),
+        "",
         f"![held-out accuracy per eval K and decoding mode](results/{os.path.basename(figure)})",
     ]
-    if args.smoke:
-        body.insert(1, "\nSmoke run (a few steps): these figures only show that the experiment runs.")
     common.finish(args, NAME, "\n".join(body))
 
 

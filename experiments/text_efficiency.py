@@ -129,10 +129,7 @@ def mean_curve(rows: list[dict[str, Any]], k: int) -> tuple[list[int], list[floa
 
 
 def plot(groups: Rows, best_k: int, path: str) -> None:
-    import matplotlib.pyplot as plt
-
-    plt.switch_backend("Agg")  # to a file, with or without a display
-
+    plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, rows in groups.items():
         for k in (1, best_k) if name == FEEDBACK else (1,):
@@ -140,9 +137,7 @@ def plot(groups: Rows, best_k: int, path: str) -> None:
             ax.plot(*mean_curve(rows, k), "--" if dashed else "-", marker=".", label=f"{name}, eval K={k}")
     ax.set(xlabel="training tokens", ylabel="held-out loss (nats/byte)", title="stdlib sources: mean over seeds")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 def answer(groups: Rows, best_k: int) -> list[str]:
@@ -219,7 +214,6 @@ def main() -> None:
         f"the whole experiment (corpus, {len(rows)} runs with `--parallel=2`, compiles) took "
         f"{timer.minutes():.1f} min.",
         "",
-        *(["**Smoke run**: tiny sizes, to check the code path; the numbers mean nothing.", ""] if args.smoke else []),
         f"Corpus: the {len(files)} top-level modules (`*.py`) of this interpreter's standard library "
         f"(`{os.path.dirname(files[0][0])}`), {sum(size for _, size, _ in files):,} bytes; byte tokens (vocabulary "
         f"257) packed into 128-token records. A hash of each file's text holds out 10%: "

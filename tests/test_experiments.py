@@ -6,7 +6,7 @@ import re
 import shutil
 
 import pytest
-from conftest import ROOT, run_command
+from conftest import ROOT, cpu_env, run_command
 
 EXPERIMENTS = {
     # name: a header cell its table must have
@@ -44,7 +44,8 @@ def test_experiment_smoke_run_writes_its_block_and_plot(name, smoke_dir):
     results = smoke_dir / "docs" / "results.md"
     before = results.read_text(encoding="utf-8")
     command = ["python", f"experiments/{name}.py", "--smoke", f"--dir={smoke_dir / 'runs' / name}"]
-    result = run_command(command + [f"--write-docs={results}"], timeout=900)
+    # As a user runs it: one CPU device (no XLA_FLAGS).
+    result = run_command(command + [f"--write-docs={results}"], cpu_env(None), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     after = results.read_text(encoding="utf-8")
     begin, end = f"<!-- begin: experiments/{name}.py -->", f"<!-- end: experiments/{name}.py -->"

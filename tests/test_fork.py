@@ -8,9 +8,11 @@ import jax
 import numpy as np
 import pytest
 from conftest import load_config
+from flax import nnx
 
 from fbt_jax.errors import ConfigError
 from fbt_jax.train.trainer import Trainer
+from fbt_jax.trained import load_model
 
 STEPS = 12
 FORK = 6
@@ -57,6 +59,18 @@ def test_a_fork_ends_bitwise_identical_to_the_run_trained_alone(runs):
     assert summary["start_step"] == FORK
     assert all(np.array_equal(a, b) for a, b in zip(params_of(alone), params_of(fork), strict=True))
     assert int(fork.state.step) == STEPS
+
+
+def test_a_fork_of_a_trunk_that_already_ends_there_gets_its_own_checkpoint(runs):
+    """A sweep run whose schedule draws the trunk's K to the last step trains nothing after the
+    fork, but decoding and evaluation read its workdir: it holds the trunk's final state."""
+    root, alone, _ = runs
+    fork, summary = train(config(root / "same", fork_from=str(root / "alone")))
+    assert summary["start_step"] == STEPS
+    assert os.path.isfile(root / "same" / "checkpoints" / str(STEPS) / "commit_success.txt")
+    model, _ = load_model(str(root / "same"), log=lambda *_: None)
+    restored = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    assert all(np.array_equal(a, b) for a, b in zip(params_of(alone), restored, strict=True))
 
 
 def test_a_fork_whose_schedule_drew_other_passes_before_the_fork_is_refused(runs):

@@ -246,6 +246,10 @@ class Trainer:
                 run_hooks,
                 preemption.should_stop,
             )
+            if start_step >= steps and not self.resumed and saver:
+                # A fork of a trunk that already ends here (its schedule drew the same K to the
+                # last step): the run still gets its own checkpoint, for decoding and evaluation.
+                saver.checkpointer.save(start_step, self.state, cfg, force=True)
             if start_step >= steps and evaluator:
                 evaluator.results = self.evaluate()  # resumed a finished run: report its eval again
             failed = False
