@@ -211,8 +211,8 @@ def main() -> None:
     n_tokens = groups[plain_name(1.0)][0]["tokens"]
     body = [
         f"Written by `python experiments/{NAME}.py --write-docs docs/results.md`. Machine: {common.machine()}; "
-        f"the whole experiment (corpus, {len(rows)} runs with `--parallel=2`, compiles) took "
-        f"{timer.minutes():.1f} min.",
+        f"its {len(rows)} runs took {common.sweep_minutes(os.path.join(directory, 'sweep')):.0f} min of job time "
+        f"(`fbt-sweep --parallel=2`, two jobs at a time, compiles included); this invocation {timer.minutes():.1f} min.",
         "",
         f"Corpus: the {len(files)} top-level modules (`*.py`) of this interpreter's standard library "
         f"(`{os.path.dirname(files[0][0])}`), {sum(size for _, size, _ in files):,} bytes; byte tokens (vocabulary "
