@@ -110,9 +110,8 @@ def probes_by_position(
     seq_len = train["inputs"].shape[1]
     scored = [t for t in range(seq_len) if train["weights"][:, t].all() and test["weights"][:, t].all()]
     classes = int(max(train["targets"].max(), test["targets"].max())) + 1
-    fit_all = jax.jit(
-        jax.vmap(lambda a, b, c, d: _fit_and_score(a, b, c, d, classes, steps)), static_argnums=()
-    )  # one probe per position, fitted together
+    # One probe per position, all fitted together (positions are the vmapped axis).
+    fit_all = jax.jit(jax.vmap(lambda a, b, c, d: _fit_and_score(a, b, c, d, classes, steps)))
     result: dict[str, Any] = {"layer": layer, "positions": scored}
     labels_tr = jnp.asarray(train["targets"][:, scored].T)  # (T', N)
     labels_te = jnp.asarray(test["targets"][:, scored].T)

@@ -13,7 +13,7 @@ EXPERIMENTS = {
     "state_tracking": "| mixture | mean K | K=1 | K=2 | K=3 | standard | soft | fused |",
     "depth_stability": "rate, passes 4–7",
     "layer_probes": "| task | trained | K=1 (no feedback) | K=2 (one feedback pass) | exact recurrence | chance |",
-    "text_efficiency": "|",
+    "text_efficiency": "| variant | schedule | tokens | mean K | loss K=1 | loss K=2 | loss K=3 |",
 }
 RESULTS = os.path.join(ROOT, "docs", "results.md")
 
