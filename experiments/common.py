@@ -173,6 +173,13 @@ def finish(args: argparse.Namespace, name: str, body: str) -> None:
         docs_block.write_block(args.write_docs, name, body, folder="experiments")
 
 
+def figure_line(args: argparse.Namespace, path: str, caption: str) -> str:
+    """The block's line for a plot: a Markdown image relative to the --write-docs file, else its path."""
+    if not args.write_docs:
+        return f"Plot: {path}"
+    return f"![{caption}]({os.path.relpath(path, os.path.dirname(os.path.abspath(args.write_docs)))})"
+
+
 def pyplot() -> Any:
     """matplotlib's pyplot, drawing to files (no display needed)."""
     import matplotlib

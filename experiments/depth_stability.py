@@ -107,7 +107,7 @@ def main() -> None:
         f"k = 1 … {long_depth}:\n",
         table(long, long_depths),
         "",
-        f"![loss and per-pass change against feedback depth](results/{os.path.basename(figure)})",
+        common.figure_line(args, figure, "loss and per-pass change against feedback depth"),
     ]
     common.finish(args, NAME, "\n".join(body))
 

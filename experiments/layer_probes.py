@@ -106,7 +106,7 @@ def main() -> None:
         "",
         table(tasks, 16),
         "",
-        f"![layer-0 probe accuracy per position](results/{os.path.basename(figure)})",
+        common.figure_line(args, figure, "layer-0 probe accuracy per position"),
     ]
     common.finish(args, NAME, "\n".join(body))
 

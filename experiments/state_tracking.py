@@ -114,7 +114,7 @@ def main() -> None:
         "below 1):\n",
         monitor_table(rows),
         "",
-        f"![held-out accuracy per eval K and decoding mode](results/{os.path.basename(figure)})",
+        common.figure_line(args, figure, "held-out accuracy per eval K and decoding mode"),
     ]
     common.finish(args, NAME, "\n".join(body))
 

@@ -232,9 +232,7 @@ def main() -> None:
         f"Plain models are read at K=1 (their fusion is untrained). The feedback model's best K is {best_k}.",
         *answer(groups, best_k),
         "",
-        f"![held-out loss vs tokens]({os.path.relpath(path, os.path.dirname(os.path.abspath(args.write_docs)))})"
-        if args.write_docs
-        else f"Plot: {path}",
+        common.figure_line(args, path, "held-out loss vs tokens"),
     ]
     common.finish(args, NAME, "\n".join(body))
 
