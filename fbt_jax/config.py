@@ -29,7 +29,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.seed = 0
 
     c.data = ml_collections.ConfigDict()
-    c.data.source = "task"  # task | text | tfds
+    c.data.source = "task"  # task | text | tfds | mixture
     c.data.seq_len = 32
     # source = task: synthetic tasks generated from the example index
     c.data.task = "word_problem"  # word_problem | modular_sum | delayed_recall
@@ -37,10 +37,13 @@ def default_config() -> ml_collections.ConfigDict:
     c.data.modulus = 2
     c.data.delay = 4
     c.data.task_vocab_size = 16
-    # source = text: a glob of text files, or a directory written by fbt-prepare
+    # source = text: globs of text files, or a directory written by fbt-prepare
     c.data.path = ""
-    c.data.tokenizer = "byte"  # byte | path to a SentencePiece .model
+    c.data.tokenizer = "byte"  # byte | a SentencePiece .model | a tokenizer.json | a save_pretrained directory
+    c.data.text_key = "text"  # the JSON field / Parquet column holding a document's text
     c.data.validation_fraction = 0.01
+    # source = mixture: prepared datasets with weights, "[name=]path:weight,..."
+    c.data.mixture = ""
     # source = tfds: a prepared TFDS dataset, read as ArrayRecord without TensorFlow
     c.data.tfds_name = ""
     c.data.tfds_data_dir = ""

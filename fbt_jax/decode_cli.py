@@ -77,6 +77,11 @@ def main(argv: list[str] | None = None) -> None:
                 raise ConfigError(
                     f"--stop={stop} is outside the vocabulary [0, {vocab}); give a token id below {vocab}"
                 )
+        stops = tuple(args.stop)
+        if config.data.source != "task":  # text: a generation ends with its document
+            from fbt_jax.data.tokenizers import load_tokenizer
+
+            stops += (load_tokenizer(config.data.tokenizer).eos_id,)
         cache_len = int(lengths.max()) + args.max_new_tokens
         decode.check_request(model, padded, lengths, cache_len - args.max_new_tokens, args.mode)
         tokens, counts = decode.generate(
@@ -89,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
-            stop_tokens=tuple(args.stop),
+            stop_tokens=stops,
             seed=args.seed,
         )
         tokens, counts = np.asarray(tokens), np.asarray(counts)
@@ -174,7 +179,7 @@ def codec(config):
     from fbt_jax.data.tokenizers import load_tokenizer
 
     tokenizer = load_tokenizer(config.data.tokenizer)
-    return (lambda text: tokenizer.encode(text)[:-1].tolist()), tokenizer.decode  # no end-of-document on prompts
+    return tokenizer.encode_prompt, tokenizer.decode  # prompts: no end-of-document (a beginning one if it adds one)
 
 
 if __name__ == "__main__":

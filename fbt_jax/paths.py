@@ -84,13 +84,21 @@ def check_reachable(url: str, flag: str) -> None:
         raise ConfigError(f"{flag}={url!r}: bucket gs://{bucket} does not exist; create it or fix the name")
 
 
-# Config fields that hold paths, with whether a URL is allowed there.
+def resolve_inputs(spec: str, flag: str) -> str:
+    """`resolve` for each comma-separated glob of an input spec, and for an `@FILE` listing."""
+    return ",".join(
+        "@" + resolve(part.strip()[1:], flag) if part.strip().startswith("@") else resolve(part.strip(), flag)
+        for part in str(spec).split(",")
+        if part.strip()
+    )
+
+
+# Config fields that hold paths, with whether a URL is allowed there (data.path: see resolve_inputs).
 CONFIG_PATH_FIELDS = (
     ("workdir", True),
     ("checkpoint.dir", True),
     ("init_from", True),
     ("fork_from", True),
-    ("data.path", True),
     ("data.cache_dir", False),  # prepared records are read through the local file system
     ("data.tfds_data_dir", True),
 )
@@ -105,6 +113,12 @@ def resolve_config_paths(config: Any) -> None:
         if is_url(value) and not url_ok:
             raise ConfigError(f"--config.{field}={value!r} must be a local directory (a cache on each host)")
         owner[name] = value
+    config.data.path = resolve_inputs(config.data.path, "--config.data.path")
+    if config.data.get("mixture"):
+        from fbt_jax.data.mixture import parse_mixture
+
+        parts = parse_mixture(config.data.mixture, "--config.data.mixture")
+        config.data.mixture = ",".join(f"{name}={resolve(path, '--config.data.mixture')}:{weight}" for name, path, weight in parts)
     tokenizer = config.data.tokenizer
     if tokenizer and tokenizer != "byte":
         config.data.tokenizer = resolve(tokenizer, "--config.data.tokenizer")
@@ -126,9 +140,12 @@ def check_config_dirs(config: Any) -> None:
 def check_config_urls(config: Any) -> None:
     """Check, once, that every bucket the config names is reachable."""
     seen = set()
+    named = []
     for field, _ in CONFIG_PATH_FIELDS:
         section, _, name = field.rpartition(".")
-        value = (config[section] if section else config)[name]
+        named.append((field, (config[section] if section else config)[name]))
+    named += [("data.path", part.lstrip("@")) for part in str(config.data.path).split(",")]
+    for field, value in named:
         if is_url(value) and value.split("/")[2] not in seen:
             seen.add(value.split("/")[2])
             check_reachable(value, f"--config.{field}")

@@ -272,3 +272,41 @@ def trained_run(tmp_path_factory):
         check=True,
     )
     return workdir
+
+
+# --- a subword tokenizer, trained here (no download) -----------------------------------------------------
+
+BPE_SPECIALS = ["<|endoftext|>", "<s>", "</s>", "<pad>"]
+
+
+def train_bpe_tokenizer(directory) -> str:
+    """A byte-level BPE tokenizer (about 1000 ids, BPE_SPECIALS first) trained on some 300 KB of the
+    standard library's sources, saved as `directory`/tokenizer.json; returns that path."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    texts, size = [], 0
+    for root, _, files in sorted(os.walk(os.path.dirname(os.__file__))):
+        for name in sorted(files):
+            if name.endswith(".py") and size < 300_000:
+                with open(os.path.join(root, name), encoding="utf-8", errors="replace") as f:
+                    texts.append(f.read()[:20_000])
+                size += len(texts[-1])
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1000,
+        special_tokens=BPE_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte, so any text round-trips
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    path = os.path.join(str(directory), "tokenizer.json")
+    tokenizer.save(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer_json(tmp_path_factory) -> str:
+    """The path of a tokenizer.json trained by `train_bpe_tokenizer`; read only."""
+    return train_bpe_tokenizer(tmp_path_factory.mktemp("bpe"))

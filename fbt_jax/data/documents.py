@@ -1,67 +1,20 @@
-"""Where documents come from: local text files (a glob) or a prepared TFDS dataset, split into
-train and validation documents for `records.prepare`.
+"""What a preparation reads: the plan of a text corpus (its files, cut into units) or of a
+prepared TFDS dataset, and the rule that sends a document to train or validation.
 
 Text documents go to validation by a hash of their text (`validation_fraction`), so the two splits
-never share a document and the split does not depend on file order; a TFDS dataset keeps its own
-splits.
+never share a document and the split depends neither on file order nor on how many shards or
+workers prepare the corpus; a TFDS dataset keeps its own splits.
 """
 
 from __future__ import annotations
 
-import glob
 import hashlib
-import json
-import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+from typing import Any
 
+from fbt_jax.data import records
+from fbt_jax.data.shards import group_units
 from fbt_jax.errors import ConfigError, describe
-
-
-def text_files(pattern: str, flag: str = "data.path") -> list[str]:
-    """Files matched by a glob (or a single path); a clear error if none, or one is unreadable/empty.
-
-    `flag` is how the user gave the glob (a config field or a command-line flag), named in errors.
-    """
-    paths = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
-    if not paths:
-        raise ConfigError(f"{flag}={pattern!r} matches no file; give a glob of text files, e.g. 'corpus/*.txt'")
-    for path in paths:
-        if not os.access(path, os.R_OK):
-            raise ConfigError(f"text file {path} is not readable; fix its permissions or drop it from {flag}")
-        if os.path.getsize(path) == 0:
-            raise ConfigError(f"text file {path} is empty; remove it or fix {flag}")
-    return paths
-
-
-def read_documents(paths: list[str], flag: str = "data.path") -> Iterator[str]:
-    """`.jsonl` files: one document per line (its "text" field); other files: one document each."""
-    for path in paths:
-        try:
-            with open(path, encoding="utf-8") as f:
-                if path.endswith(".jsonl"):
-                    for number, line in enumerate(f, start=1):
-                        if line.strip():
-                            try:
-                                text = json.loads(line)["text"]
-                            except (json.JSONDecodeError, KeyError, TypeError):
-                                text = None
-                            if not isinstance(text, str):
-                                raise ConfigError(
-                                    f"{path}:{number} is not a JSON object with a 'text' string; write one "
-                                    '{"text": "..."} object per line, or drop the file from ' + flag
-                                )
-                            yield text
-                else:
-                    yield f.read()
-        except UnicodeDecodeError as err:
-            raise ConfigError(
-                f"text file {path} is not UTF-8 text ({err.reason} at byte {err.start}); convert it to UTF-8 "
-                f"or drop it from {flag}"
-            ) from None
-        except OSError as err:
-            raise ConfigError(
-                f"text file {path} cannot be read ({err.strerror or err}); fix it or drop it from {flag}"
-            ) from None
 
 
 def is_validation(text: str, fraction: float) -> bool:
@@ -69,25 +22,73 @@ def is_validation(text: str, fraction: float) -> bool:
     return int.from_bytes(digest, "little") / 2**64 < fraction
 
 
-def text_split_documents(
-    pattern: str,
+def _tokenizer_settings(tokenizer_spec: str, flag: str) -> dict[str, Any]:
+    from fbt_jax.data.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_spec, flag)
+    return {
+        "tokenizer": tokenizer.name,
+        "tokenizer_identity": tokenizer.identity,
+        "vocab_size": tokenizer.vocab_size,
+        "eos_id": tokenizer.eos_id,
+        "bos_id": tokenizer.bos_id,
+    }
+
+
+def text_plan(
+    spec: str,
+    tokenizer: str,
+    seq_len: int,
     validation_fraction: float,
+    text_key: str = "text",
     flag: str = "data.path",
     fraction_flag: str = "data.validation_fraction",
-) -> tuple[dict[str, Iterable[str]], dict]:
-    """The train and validation documents of text files; `flag` and `fraction_flag` name where the
-    glob and the fraction came from, in errors."""
+    tokenizer_flag: str = "data.tokenizer",
+) -> dict[str, Any]:
+    """The plan of preparing the text files `spec` names (see `sources.list_inputs`): every check
+    that needs no full read is made here, before any work."""
+    from fbt_jax.data.sources import check_input, list_inputs
+
     if not 0.0 <= validation_fraction < 1.0:
         raise ConfigError(
             f"{fraction_flag}={validation_fraction} must be in [0, 1); give the share of documents to hold out, e.g. 0.01"
         )
-    paths = text_files(pattern, flag)
-    documents = {
-        "train": (d for d in read_documents(paths, flag) if not is_validation(d, validation_fraction)),
-        "validation": (d for d in read_documents(paths, flag) if is_validation(d, validation_fraction)),
+    settings = _tokenizer_settings(tokenizer, tokenizer_flag)
+    files = list_inputs(spec, flag)
+    for file in files:
+        check_input(file, text_key, flag)
+    inputs = [[f.path, f.size] for f in files]
+    return {
+        "format_version": records.FORMAT_VERSION,
+        **settings,
+        "seq_len": seq_len,
+        "validation_fraction": validation_fraction,
+        "text_key": text_key,
+        "flag": flag,
+        "source": {"kind": "text", "spec": spec, "files": len(files), "bytes": sum(f.size for f in files)},
+        "inputs": inputs,
+        "units": group_units([size for _, size in inputs]),
     }
-    fingerprint = [(p, os.path.getsize(p), int(os.path.getmtime(p))) for p in paths]
-    return documents, {"kind": "text", "files": fingerprint, "validation_fraction": validation_fraction}
+
+
+def tfds_plan(
+    name: str, data_dir: str, text_key: str, splits: tuple[str, str], tokenizer: str, seq_len: int, tokenizer_flag: str
+) -> dict[str, Any]:
+    """The plan of preparing a TFDS dataset's two splits (one unit)."""
+    tfds_split_documents(name, data_dir, text_key, *splits)  # checks that it exists and has the feature
+    source = {"kind": "tfds", "name": name, "data_dir": str(data_dir), "splits": list(splits)}
+    return {
+        "format_version": records.FORMAT_VERSION,
+        **_tokenizer_settings(tokenizer, tokenizer_flag),
+        "seq_len": seq_len,
+        "validation_fraction": None,
+        "text_key": text_key,
+        "flag": "--tfds-name",
+        "source": source,
+        "tfds": source,
+        "inputs": [],
+        "units": [[]],
+    }
 
 
 def tfds_split_documents(

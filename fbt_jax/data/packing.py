@@ -13,29 +13,49 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 
-def pack_documents(documents: Iterable[np.ndarray], seq_len: int) -> Iterator[np.ndarray]:
-    """Yield int32 records of shape (2, seq_len + 1): row 0 token ids, row 1 segment ids."""
-    length = seq_len + 1
-    record = np.zeros((2, length), np.int32)
-    fill, segment = 0, 0
-    for doc in documents:
+class RecordPacker:
+    """Packs documents pushed one at a time (`add`), for preparing two splits from one stream."""
+
+    def __init__(self, seq_len: int):
+        self.length = seq_len + 1
+        self._new()
+
+    def _new(self) -> None:
+        self.record, self.fill, self.segment = np.zeros((2, self.length), np.int32), 0, 0
+
+    def add(self, doc: np.ndarray) -> list[np.ndarray]:
+        """The records that `doc` completes (int32, (2, seq_len + 1): token ids, segment ids)."""
+        done = []
         doc = np.asarray(doc, np.int32)
         while len(doc):
-            room = length - fill
-            if len(doc) > room and fill > 0 and len(doc) <= length:
-                yield record  # keep the document whole: start it in a fresh record
-                record, fill, segment = np.zeros((2, length), np.int32), 0, 0
+            room = self.length - self.fill
+            if len(doc) > room and self.fill > 0 and len(doc) <= self.length:
+                done.append(self.record)  # keep the document whole: start it in a fresh record
+                self._new()
                 continue
             piece, doc = doc[:room], doc[room:]
-            segment += 1
-            record[0, fill : fill + len(piece)] = piece
-            record[1, fill : fill + len(piece)] = segment
-            fill += len(piece)
-            if fill == length:
-                yield record
-                record, fill, segment = np.zeros((2, length), np.int32), 0, 0
-    if fill:
-        yield record
+            self.segment += 1
+            self.record[0, self.fill : self.fill + len(piece)] = piece
+            self.record[1, self.fill : self.fill + len(piece)] = self.segment
+            self.fill += len(piece)
+            if self.fill == self.length:
+                done.append(self.record)
+                self._new()
+        return done
+
+    def finish(self) -> list[np.ndarray]:
+        """The last, partly filled record (if any)."""
+        done = [self.record] if self.fill else []
+        self._new()
+        return done
+
+
+def pack_documents(documents: Iterable[np.ndarray], seq_len: int) -> Iterator[np.ndarray]:
+    """Yield int32 records of shape (2, seq_len + 1): row 0 token ids, row 1 segment ids."""
+    packer = RecordPacker(seq_len)
+    for doc in documents:
+        yield from packer.add(doc)
+    yield from packer.finish()
 
 
 def segment_positions(segment_ids: np.ndarray) -> np.ndarray:

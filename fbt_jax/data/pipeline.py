@@ -20,12 +20,14 @@ import numpy as np
 
 from fbt_jax import paths
 from fbt_jax.data import records
-from fbt_jax.data.documents import text_files, text_split_documents, tfds_split_documents
+from fbt_jax.data.documents import text_plan, tfds_plan
+from fbt_jax.data.mixture import Mixture, check_compatible, parse_mixture
+from fbt_jax.data.preparation import SETTINGS, prepare_shard
 from fbt_jax.data.tasks import SyntheticTask, make_task
 from fbt_jax.data.tokenizers import load_tokenizer
 from fbt_jax.errors import ConfigError
 
-SOURCES = ("task", "text", "tfds")
+SOURCES = ("task", "text", "tfds", "mixture")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,38 +49,65 @@ class TaskSplit:
         return self.task.examples(self.split, indices)
 
 
-def prepared_dir(config: Any) -> str:
-    """Where the packed records of a text/TFDS source live, preparing them on first use."""
+def prepared_dir(config: Any, path: str | None = None) -> str:
+    """Where the packed records of a text/TFDS source live (`path`: one dataset of a mixture),
+    preparing them on first use (resumably, into data.cache_dir)."""
     data = config.data
+    path = data.path if path is None else path
     cache = data.cache_dir or os.path.join(_local_workdir(config), "data_cache")
-    if data.source == "text" and paths.is_url(data.path):
-        return records.download_dir(data.path, cache)  # prepared by fbt-prepare into a bucket
-    if data.source == "text" and os.path.isdir(data.path):
-        return data.path  # already prepared by fbt-prepare
-    if data.source == "text":
-        documents, source = text_split_documents(data.path, data.validation_fraction)
-    else:
-        documents, source = tfds_split_documents(
-            data.tfds_name, data.tfds_data_dir, data.tfds_text_key, data.tfds_train_split, data.tfds_validation_split
-        )
-    key = json.dumps(
-        {
-            "source": source,
-            "tokenizer": os.path.abspath(data.tokenizer) if data.tokenizer != "byte" else "byte",
-            "seq_len": data.seq_len,
-        },
-        sort_keys=True,
-    )
+    if data.source in ("text", "mixture") and paths.is_url(path):
+        return records.download_dir(path, cache)  # prepared by fbt-prepare into a bucket
+    if data.source in ("text", "mixture") and os.path.isdir(path):
+        return path  # already prepared by fbt-prepare
+    plan = _plan(config)
+    key = json.dumps({k: plan[k] for k in (*SETTINGS, "inputs", "source")}, sort_keys=True)
     directory = os.path.join(cache, hashlib.blake2b(key.encode(), digest_size=8).hexdigest())
     if not os.path.exists(os.path.join(directory, "meta.json")):
-        records.prepare(documents, data.tokenizer, data.seq_len, directory, source)
+        prepare_shard(plan, directory, log=lambda *_: None)
     return directory
+
+
+def _plan(config: Any) -> dict[str, Any]:
+    data = config.data
+    if data.source == "text":
+        return text_plan(data.path, data.tokenizer, data.seq_len, data.validation_fraction, data.text_key)
+    splits = (data.tfds_train_split, data.tfds_validation_split)
+    return tfds_plan(
+        data.tfds_name, data.tfds_data_dir, data.tfds_text_key, splits, data.tokenizer, data.seq_len, "data.tokenizer"
+    )
 
 
 def _local_workdir(config: Any) -> str:
     from fbt_jax.workdir import local_dir
 
     return local_dir(config.workdir)
+
+
+def prepared_meta(path: str) -> dict[str, Any] | None:
+    """meta.json of a prepared dataset at `path` (local or gs://), None where `path` is no directory."""
+    if paths.is_url(path):
+        return records.read_remote_meta(path)
+    if os.path.isdir(path):
+        return records.read_meta(path)
+    return None
+
+
+def _adopt_tokenizer(config: Any, meta: dict[str, Any], where: str) -> None:
+    """A run on prepared data uses the tokenizer it was prepared with (decoding needs it): the
+    default data.tokenizer takes the dataset's; another one must be the same tokenizer."""
+    data = config.data
+    prepared_with = meta.get("tokenizer", "byte")
+    if data.tokenizer == prepared_with:
+        return
+    if data.tokenizer == "byte":
+        data.tokenizer = prepared_with
+        return
+    identity = meta.get("tokenizer_identity")
+    if identity is None or load_tokenizer(data.tokenizer).identity != identity:
+        raise ConfigError(
+            f"data.tokenizer={data.tokenizer!r} is not the tokenizer {where} was prepared with ({prepared_with}); "
+            "leave data.tokenizer unset or give that tokenizer"
+        )
 
 
 def validate_data(config: Any) -> tuple[int, str]:
@@ -93,15 +122,29 @@ def validate_data(config: Any) -> tuple[int, str]:
         return task.vocab_size, f"data.task={data.task!r}" + (
             f", data.group={data.group!r}" if data.task == "word_problem" else ""
         )
+    if data.source == "mixture":
+        if not data.mixture:
+            raise ConfigError("data.source='mixture' needs data.mixture, e.g. 'web=prepared/web:0.7,code=prepared/code:0.3'")
+        components = parse_mixture(data.mixture)
+        metas = []
+        for name, path, _ in components:
+            meta = prepared_meta(path)
+            if meta is None:
+                raise ConfigError(f"data.mixture: {name}={path} is not a prepared dataset; run fbt-prepare --output={path} first")
+            metas.append(meta)
+        check_compatible([c[0] for c in components], metas)
+        _adopt_tokenizer(config, metas[0], "data.mixture")
+        return max(m["vocab_size"] for m in metas), "the prepared data of data.mixture"
     if data.source == "text":
         if not data.path:
             raise ConfigError("data.source='text' needs data.path: a glob of text files or an fbt-prepare directory")
-        if paths.is_url(data.path):
-            return records.read_remote_meta(data.path)["vocab_size"], f"the prepared data in {data.path}"
-        if os.path.isdir(data.path):
-            meta = records.read_meta(data.path)
+        meta = prepared_meta(data.path)
+        if meta is not None:
+            _adopt_tokenizer(config, meta, data.path)
             return meta["vocab_size"], f"the prepared data in {data.path}"
-        text_files(data.path)
+        from fbt_jax.data.sources import list_inputs
+
+        list_inputs(data.path)
     elif not data.tfds_name:
         raise ConfigError("data.source='tfds' needs data.tfds_name (and data.tfds_data_dir)")
     elif not data.tfds_data_dir:
@@ -114,13 +157,22 @@ def validate_data(config: Any) -> tuple[int, str]:
     return tokenizer.vocab_size, f"data.tokenizer={data.tokenizer!r}"
 
 
-def make_source(config: Any, split: str) -> TaskSplit | records.PackedRecords:
+def make_source(config: Any, split: str) -> TaskSplit | records.PackedRecords | Mixture:
     """The random-access example source for `split` ("train" or "validation"), validated."""
     data = config.data
     validate_data(config)
     if data.source == "task":
         return TaskSplit(make_task(config), split)
-    source = records.PackedRecords(prepared_dir(config), split)
+    if data.source == "mixture":
+        components = parse_mixture(data.mixture)
+        sources = [_records(config, split, path) for _, path, _ in components]
+        return Mixture([c[0] for c in components], sources, [c[2] for c in components], config.seed)
+    return _records(config, split)
+
+
+def _records(config: Any, split: str, path: str | None = None) -> records.PackedRecords:
+    data = config.data
+    source = records.PackedRecords(prepared_dir(config, path), split)
     if source.seq_len != data.seq_len:
         raise ConfigError(
             f"the prepared data in {source.directory} has seq_len {source.seq_len} but data.seq_len={data.seq_len}; "
@@ -146,27 +198,13 @@ class StepBatches:
     def record_indices(self, global_indices: np.ndarray) -> np.ndarray:
         if not isinstance(self.source, records.PackedRecords):
             return global_indices  # synthetic tasks: every index is already a fresh example
-        from grain.experimental import index_shuffle
-
-        n = len(self.source)
-        epochs, within = np.divmod(global_indices, n)
-        if not self.shuffle:
-            return within
-        return np.array(
-            [
-                index_shuffle(int(j), max_index=n - 1, seed=_epoch_seed(self.seed, int(e)), rounds=4)
-                for e, j in zip(epochs, within)
-            ],
-            np.int64,
-        )
+        return records.epoch_order(global_indices, len(self.source), self.seed, self.shuffle)
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         global_indices = step * self.batch_size + np.asarray(self.rows, np.int64)
+        if isinstance(self.source, Mixture):
+            return self.source.examples_at(global_indices, self.seed, self.shuffle)
         return self.source.examples(self.record_indices(global_indices))
-
-
-def _epoch_seed(seed: int, epoch: int) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{seed}:{epoch}".encode(), digest_size=4).digest(), "little")
 
 
 def batch_iterator(batches: StepBatches, start_step: int, num_workers: int = 0, prefetch: int = 2) -> Iterator[dict]:

@@ -1,18 +1,24 @@
-"""Prepared text: tokenise a corpus once, pack it, write fixed-length records (ArrayRecord).
+"""Prepared text on disk: the dataset format, and random access to its records (ArrayRecord).
 
-`fbt-prepare` (and the trainer, on first use of a text or TFDS source) writes a directory:
+`fbt-prepare` (and the trainer, on first use of a text or TFDS source) writes a directory
+(`preparation.py` writes it, one unit of input files at a time, on any number of machines):
 
-    meta.json                   tokenizer, vocab size, seq_len, record and token counts
-    train.array_record          packed records, one per example (see packing.py)
-    validation.array_record
+    prepare.json                      the plan: inputs, tokenizer identity, seq_len, split fraction
+    00000.train.array_record          packed records of unit 0 (see packing.py), …
+    00000.validation.array_record
+    progress/00000.json               unit 0 is complete: its files, sizes, checksums and counts
+    meta.json                         the manifest, written last: a dataset exists once it does
 
-Training then reads records by index (random access), so the batch of any step can be rebuilt
-from the step number alone. A prepared directory can live in a bucket: it is uploaded after
-preparing, and copied once per host before training (`upload_dir`, `download_dir`).
+meta.json names every records file of each split in order, with its size, checksum, records,
+documents and tokens, beside the tokenizer (name, identity, vocabulary, end/beginning-of-document
+ids), seq_len and per-split totals. Training reads a split's files as one random-access set of
+records, so the batch of any step can be rebuilt from the step number alone. Directories written
+by the first format (one `<split>.array_record` each) are still read.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -23,15 +29,16 @@ from typing import Any
 
 import numpy as np
 
-from fbt_jax.data.packing import pack_documents, record_to_example, records_to_examples
-from fbt_jax.data.tokenizers import load_tokenizer
+from fbt_jax.data.packing import record_to_example, records_to_examples
 from fbt_jax.errors import ConfigError, describe
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 SPLIT_NAMES = ("train", "validation")
 
 
 def write_records(path: str, records: Iterable[np.ndarray]) -> int:
+    """Write records to an ArrayRecord file; returns how many."""
     from array_record.python.array_record_module import ArrayRecordWriter
 
     writer = ArrayRecordWriter(path, "group_size:1")
@@ -45,75 +52,6 @@ def write_records(path: str, records: Iterable[np.ndarray]) -> int:
     return count
 
 
-def prepare(
-    documents: dict[str, Iterable[str]],
-    tokenizer_spec: str,
-    seq_len: int,
-    out_dir: str,
-    source: dict[str, Any],
-    progress: bool = False,
-) -> dict[str, Any]:
-    """Tokenise and pack each split's documents into `out_dir` (written atomically)."""
-    tokenizer = load_tokenizer(tokenizer_spec)
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp_dir = tempfile.mkdtemp(prefix=".prepare-", dir=parent)
-    try:
-        return _prepare_into(tmp_dir, documents, tokenizer, seq_len, out_dir, source, progress)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)  # gone after the rename, or after a failure
-
-
-def _prepare_into(
-    tmp_dir: str, documents: dict, tokenizer: Any, seq_len: int, out_dir: str, source: dict, progress: bool
-) -> dict[str, Any]:
-    stats = {"documents": {}, "tokens": {}, "records": {}}
-    from tqdm import tqdm
-
-    for split, docs in documents.items():
-        counts = {"documents": 0, "tokens": 0}
-
-        def tokenised(docs=docs, counts=counts, split=split):
-            for text in tqdm(docs, desc=f"prepare {split}", unit="doc", disable=not progress):
-                ids = tokenizer.encode(text)
-                counts["documents"] += 1
-                counts["tokens"] += len(ids)
-                yield ids
-
-        stats["records"][split] = write_records(
-            os.path.join(tmp_dir, f"{split}.array_record"), pack_documents(tokenised(), seq_len)
-        )
-        stats["documents"][split], stats["tokens"][split] = counts["documents"], counts["tokens"]
-    if stats["tokens"].get("train", 0) < seq_len + 1:
-        raise ConfigError(
-            f"the training data has {stats['tokens'].get('train', 0)} tokens, fewer than one sequence of "
-            f"seq_len+1 = {seq_len + 1}; use more text or a shorter sequence length (data.seq_len, fbt-prepare --seq-len)"
-        )
-    files = {}
-    for split in documents:
-        name = f"{split}.array_record"
-        path = os.path.join(tmp_dir, name)
-        files[name] = {"bytes": os.path.getsize(path), "blake2b": file_digest(path)}
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "tokenizer": tokenizer.name,
-        "vocab_size": tokenizer.vocab_size,
-        "seq_len": seq_len,
-        "source": source,
-        **stats,
-        "files": files,  # size and checksum of each records file, checked when it is opened
-    }
-    with open(os.path.join(tmp_dir, "meta.json"), "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=2)
-    try:
-        os.rename(tmp_dir, out_dir)  # atomic: readers see all of it or none
-    except OSError:
-        if not os.path.exists(os.path.join(out_dir, "meta.json")):
-            raise
-        # Another process prepared the same (deterministic) data first; theirs is kept.
-    return meta
-
-
 def file_digest(path: str) -> str:
     """blake2b of a file's bytes (about 1 GB/s)."""
     digest = hashlib.blake2b(digest_size=16)
@@ -123,9 +61,44 @@ def file_digest(path: str) -> str:
     return digest.hexdigest()
 
 
+def split_files(meta: dict[str, Any], split: str) -> list[tuple[str, dict[str, Any] | None]]:
+    """The records files of `split`, in order, with what fbt-prepare recorded of each."""
+    if meta.get("format_version") == 1:
+        name = f"{split}.array_record"
+        return [(name, meta.get("files", {}).get(name))]
+    return [(name, entry) for name, entry in meta["files"].items() if entry["split"] == split]
+
+
+def _unreadable(directory: str) -> str | None:
+    """The first directory on the way to `directory` that the user may not read, if any."""
+    path = os.path.abspath(directory)
+    parts = []
+    while True:
+        parts.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for path in reversed(parts):
+        if os.path.isdir(path) and not os.access(path, os.R_OK | os.X_OK):
+            return path
+    return None
+
+
 def read_meta(directory: str) -> dict[str, Any]:
     path = os.path.join(directory, "meta.json")
     if not os.path.isfile(path):
+        locked = _unreadable(directory)
+        if locked is not None:
+            raise ConfigError(
+                f"the prepared data in {directory} cannot be read: permission denied on {locked}; "
+                "fix its permissions (chmod) or use a copy you can read"
+            )
+        if os.path.isfile(os.path.join(directory, "prepare.json")):
+            raise ConfigError(
+                f"{directory} holds an unfinished preparation (no meta.json yet); run the same fbt-prepare "
+                "command again (every --shard-index) to finish it"
+            )
         raise ConfigError(
             f"{directory} holds no prepared data (no meta.json); run fbt-prepare or point data.path at text files"
         )
@@ -134,9 +107,13 @@ def read_meta(directory: str) -> dict[str, Any]:
             meta = json.load(f)
         if not isinstance(meta, dict) or not all(isinstance(meta.get(k), int) for k in ("vocab_size", "seq_len")):
             raise ValueError("vocab_size or seq_len missing")
+    except PermissionError:
+        raise ConfigError(
+            f"{path} cannot be read: permission denied; fix its permissions (chmod) or use a copy you can read"
+        ) from None
     except (OSError, ValueError) as err:  # ValueError covers JSON and UTF-8 decoding errors
         raise ConfigError(f"{path} cannot be read ({describe(err)}); prepare the data again with fbt-prepare") from None
-    if meta.get("format_version") != FORMAT_VERSION:
+    if meta.get("format_version") not in READABLE_VERSIONS:
         raise ConfigError(
             f"{directory} was prepared in format {meta.get('format_version')}, expected {FORMAT_VERSION}; prepare it again"
         )
@@ -144,7 +121,8 @@ def read_meta(directory: str) -> dict[str, Any]:
 
 
 class PackedRecords:
-    """Random-access examples from a prepared split (picklable, for data-loader workers)."""
+    """Random-access examples from a prepared split: all its records files as one set, in the
+    order meta.json lists them (picklable, for data-loader workers)."""
 
     packed = True
 
@@ -155,30 +133,41 @@ class PackedRecords:
         self.meta = read_meta(directory)
         self.seq_len = self.meta["seq_len"]
         self.vocab_size = self.meta["vocab_size"]
-        self.path = path = os.path.join(directory, f"{split}.array_record")
-        expected = self.meta.get("records", {}).get(split)
+        files = split_files(self.meta, split)
+        self.paths = [os.path.join(directory, name) for name, _ in files]
+        self.path = self.paths[0] if len(self.paths) == 1 else os.path.join(directory, f"*.{split}.array_record")
         if verify:
-            check_file(path, self.meta.get("files", {}).get(f"{split}.array_record"))
-        try:
-            self._records = ArrayRecordDataSource(path)
-            count = len(self._records)
-            # A cheap integrity check (reading every record would cost an epoch): the count that
-            # fbt-prepare recorded, and the first and last records, whole and of the right size.
-            for index in {0, count - 1} if count else ():
-                if len(self._records[index]) != 2 * (self.seq_len + 1) * 4:
-                    raise ValueError(f"record {index} has {len(self._records[index])} bytes")
-        except Exception as err:  # the reader raises assorted types for unreadable or corrupt files
-            raise ConfigError(
-                f"the prepared records {path} cannot be read ({describe(err)}); prepare the data again with fbt-prepare"
-            ) from None
+            total = sum((entry or {}).get("bytes", 0) for _, entry in files)
+            for path, (_, entry) in zip(self.paths, files):
+                check_file(path, entry, checksum=total <= VERIFY_MAX_BYTES)
+        expected = self.meta.get("records", {}).get(split)
+        count = 0
+        if not self.paths:  # a split with no records at all (nothing held out)
+            self._records = None
+        else:
+            try:
+                self._records = ArrayRecordDataSource(self.paths if len(self.paths) > 1 else self.paths[0])
+                count = len(self._records)
+                # A cheap integrity check (reading every record would cost an epoch): the count that
+                # fbt-prepare recorded, and the first and last records of each file, whole and of the right size.
+                starts = np.cumsum([0] + [(entry or {}).get("records", 0) for _, entry in files])
+                probe = {0, count - 1} | {int(s) for s in starts[1:-1] if 0 < s < count} | {int(s) - 1 for s in starts[1:-1] if 0 < s <= count}
+                for index in sorted(probe) if count else ():
+                    if len(self._records[index]) != 2 * (self.seq_len + 1) * 4:
+                        raise ValueError(f"record {index} has {len(self._records[index])} bytes")
+            except Exception as err:  # the reader raises assorted types for unreadable or corrupt files
+                raise ConfigError(
+                    f"the prepared records {self.path} cannot be read ({describe(err)}); prepare the data again with fbt-prepare"
+                ) from None
         if expected is not None and count != expected:
             raise ConfigError(
-                f"the prepared records {path} hold {count} records, but fbt-prepare wrote {expected}; "
-                "the file is incomplete or replaced: prepare the data again"
+                f"the prepared records {self.path} hold {count} records, but fbt-prepare wrote {expected}; "
+                "a file is incomplete or replaced: prepare the data again"
             )
+        self._count = count
 
     def __len__(self) -> int:
-        return len(self._records)
+        return self._count
 
     def _read(self, indices: list[int]) -> list[bytes]:
         """The raw records at `indices`; damage found while reading (in a file too large to be
@@ -212,17 +201,17 @@ class PackedRecords:
         return {"directory": self.directory, "split": self.split}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # A data-loader worker: the file was checked when the parent opened it.
+        # A data-loader worker: the files were checked when the parent opened them.
         self.__init__(state["directory"], state["split"], verify=False)
 
 
-# Records files up to this size are checked whole against the checksum fbt-prepare recorded each
-# time they are opened (about 0.5 s per GiB); larger ones by size only, and damage found while
-# reading them is reported then.
+# Datasets up to this size are checked whole against the checksums fbt-prepare recorded each time
+# they are opened (about 0.5 s per GiB); larger ones by size only, and damage found while reading
+# them is reported then.
 VERIFY_MAX_BYTES = 1 << 30
 
 
-def check_file(path: str, recorded: dict[str, Any] | None) -> None:
+def check_file(path: str, recorded: dict[str, Any] | None, checksum: bool = True) -> None:
     """ConfigError if a records file differs from what fbt-prepare wrote (size, then checksum).
 
     Data prepared before checksums were recorded (no entry in meta.json) is not checked here.
@@ -232,15 +221,18 @@ def check_file(path: str, recorded: dict[str, Any] | None) -> None:
     try:
         size = os.path.getsize(path)
     except OSError as err:
+        missing = isinstance(err, FileNotFoundError) or err.errno == errno.ENOENT
         raise ConfigError(
-            f"the prepared records {path} cannot be read ({err.strerror or err}); prepare the data again with fbt-prepare"
+            f"the prepared records {path} "
+            + ("are missing (meta.json lists them)" if missing else f"cannot be read ({err.strerror or err})")
+            + "; prepare the data again with fbt-prepare"
         ) from None
     if size != recorded.get("bytes", size):
         raise ConfigError(
             f"the prepared records {path} hold {size} bytes, but fbt-prepare wrote {recorded['bytes']}; the file is "
             "truncated or replaced: prepare the data again with fbt-prepare"
         )
-    if "blake2b" in recorded and size <= VERIFY_MAX_BYTES:
+    if checksum and "blake2b" in recorded and size <= VERIFY_MAX_BYTES:
         try:
             digest = file_digest(path)
         except OSError as err:
@@ -254,15 +246,25 @@ def check_file(path: str, recorded: dict[str, Any] | None) -> None:
             )
 
 
-def upload_dir(local: str, url: str) -> None:
-    """Copy a prepared directory to a bucket, meta.json last: readers take its presence as complete."""
-    from etils import epath
+def epoch_order(global_indices: np.ndarray, n: int, seed: int, shuffle: bool) -> np.ndarray:
+    """Record of each global example index over a set of `n` records: epoch e = g // n reads
+    `shuffle_e(g mod n)`, a seeded bijection (grain's index_shuffle) drawn anew each epoch."""
+    epochs, within = np.divmod(np.asarray(global_indices, np.int64), n)
+    if not shuffle:
+        return within
+    from grain.experimental import index_shuffle
 
-    target = epath.Path(url)
-    target.mkdir(parents=True, exist_ok=True)
-    names = sorted(os.listdir(local), key=lambda n: n == "meta.json")
-    for name in names:
-        (target / name).write_bytes(open(os.path.join(local, name), "rb").read())
+    return np.array(
+        [
+            index_shuffle(int(j), max_index=n - 1, seed=_epoch_seed(seed, int(e)), rounds=4)
+            for e, j in zip(epochs, within)
+        ],
+        np.int64,
+    )
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{epoch}".encode(), digest_size=4).digest(), "little")
 
 
 def read_remote_meta(url: str) -> dict[str, Any]:
@@ -279,23 +281,29 @@ def read_remote_meta(url: str) -> dict[str, Any]:
 
 
 def download_dir(url: str, cache_dir: str) -> str:
-    """A local copy of a prepared directory in a bucket (records are read through the local file
-    system), made once per host under `cache_dir`; returns its path."""
+    """A local copy of a prepared dataset in a bucket (records are read through the local file
+    system), made once per host under `cache_dir`: the files meta.json lists, then meta.json;
+    returns its path."""
     from etils import epath
 
     local = os.path.join(cache_dir, "downloaded", hashlib.blake2b(url.encode(), digest_size=8).hexdigest())
     if os.path.exists(os.path.join(local, "meta.json")):
         return local
-    source = epath.Path(url)
-    if not (source / "meta.json").exists():
-        raise ConfigError(f"{url} holds no prepared data (no meta.json); run fbt-prepare --output={url} first")
+    meta = read_remote_meta(url)
+    names = [name for split in SPLIT_NAMES for name, _ in split_files(meta, split)]
     os.makedirs(os.path.dirname(local), exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".download-", dir=os.path.dirname(local))
     try:
-        for entry in sorted(source.iterdir(), key=lambda p: p.name == "meta.json"):
-            with open(os.path.join(staging, entry.name), "wb") as f:
-                f.write(entry.read_bytes())
+        for name in names:
+            with (epath.Path(url) / name).open("rb") as src, open(os.path.join(staging, name), "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 24)
+        with open(os.path.join(staging, "meta.json"), "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=2)
         os.rename(staging, local)
+    except FileNotFoundError as err:
+        raise ConfigError(
+            f"the prepared data in {url} lists a file that is missing ({describe(err)}); prepare the data again"
+        ) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return local

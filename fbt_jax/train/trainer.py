@@ -17,6 +17,7 @@ import numpy as np
 
 from fbt_jax import checkpoint, contraction, distributed, paths, sharding, trained, workdir
 from fbt_jax.config import validate_config
+from fbt_jax.data.mixture import Mixture
 from fbt_jax.data.pipeline import StepBatches, batch_iterator, make_source
 from fbt_jax.errors import CheckpointError, ConfigError
 from fbt_jax.flops import train_step_flops
@@ -55,12 +56,12 @@ class Trainer:
 
     # Data: every process loads only the rows of each global batch that its devices hold.
 
-    def step_batches(self, split: str, batch_size: int) -> StepBatches:
-        """step → this process's rows of that step's global batch of `split` (validation unshuffled)."""
+    def step_batches(self, split: str, batch_size: int, source: Any = None) -> StepBatches:
+        """step → this process's rows of that step's global batch of `split` (validation unshuffled),
+        from `source` where given (one dataset of a mixture)."""
         shuffle = self.config.data.shuffle and split == "train"
-        return StepBatches(
-            self.sources[split], batch_size, tuple(self.process_rows(batch_size)), self.config.seed, shuffle
-        )
+        source = self.sources[split] if source is None else source
+        return StepBatches(source, batch_size, tuple(self.process_rows(batch_size)), self.config.seed, shuffle)
 
     def to_global(self, local_rows: dict[str, np.ndarray], batch_size: int) -> dict[str, jax.Array]:
         return sharding.global_batch(local_rows, self.programs.batch_sharding, batch_size)
@@ -132,19 +133,25 @@ class Trainer:
         return self.programs.compile(pass_counts)
 
     def evaluate(self, state: TrainState | None = None) -> dict[str, float]:
-        """Held-out loss and token accuracy for each K in eval.num_passes."""
+        """Held-out loss and token accuracy for each K in eval.num_passes; for a mixture, also per
+        dataset (`loss_K1/web`), each dataset's validation split evaluated on its own."""
         e = self.config.eval
         params = (state or self.state).params
+        validation = self.sources["validation"]
+        parts = dict(zip(validation.names, validation.sources)) if isinstance(validation, Mixture) else {"": None}
         totals: dict[str, float] = {}
-        batches = self.step_batches("validation", e.batch_size)
-        for i in range(e.num_batches):
-            out = jax.device_get(self.programs.eval(params, self.to_global(batches(i), e.batch_size)))
-            for key, value in out.items():
-                totals[key] = totals.get(key, 0.0) + float(value)
         results = {}
-        for k in sorted(set(e.num_passes)):
-            results[f"loss_K{k}"] = totals[f"nll_{k}"] / max(totals[f"weight_{k}"], 1e-8)
-            results[f"accuracy_K{k}"] = totals[f"correct_{k}"] / max(totals[f"weight_{k}"], 1e-8)
+        for name, source in parts.items():
+            batches = self.step_batches("validation", e.batch_size, source)
+            part: dict[str, float] = {}
+            for i in range(e.num_batches):
+                out = jax.device_get(self.programs.eval(params, self.to_global(batches(i), e.batch_size)))
+                for key, value in out.items():
+                    part[key] = part.get(key, 0.0) + float(value)
+                    totals[key] = totals.get(key, 0.0) + float(value)
+            if name:
+                results |= {f"{key}/{name}": value for key, value in _losses(part, e.num_passes).items()}
+        results = _losses(totals, e.num_passes) | results
         if self.programs.monitored:
             results |= contraction.summarize(totals, *self.programs.monitored)
         return results
@@ -296,6 +303,14 @@ class Trainer:
         }
         with open(os.path.join(directory, f"process_{jax.process_index()}.json"), "w", encoding="utf-8") as f:
             json.dump(info, f, indent=2)
+
+
+def _losses(totals: dict[str, float], num_passes: Any) -> dict[str, float]:
+    results = {}
+    for k in sorted(set(num_passes)):
+        results[f"loss_K{k}"] = totals[f"nll_{k}"] / max(totals[f"weight_{k}"], 1e-8)
+        results[f"accuracy_K{k}"] = totals[f"correct_{k}"] / max(totals[f"weight_{k}"], 1e-8)
+    return results
 
 
 def join(base: str, name: str) -> str:

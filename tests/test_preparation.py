@@ -1,0 +1,196 @@
+"""fbt-prepare at scale: prepared ids equal the tokenizer library's own encoding; any split of the
+work (workers, shards) gives the same dataset file for file; a killed preparation resumes to it;
+the manifest says what it holds; the loader reads the sharded dataset as one set of records."""
+
+import json
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+from conftest import WORDS, run_command, start_command
+
+from fbt_jax.data import records
+from fbt_jax.data.documents import is_validation
+from fbt_jax.data.prepare import main as fbt_prepare
+from fbt_jax.data.sources import list_inputs, read_documents
+
+
+def write_mixed_corpus(directory, num_files=9, docs_per_file=40, seed=0, words=400):
+    """Word documents in .jsonl, .jsonl.gz, .jsonl.zst and .txt files; returns every document in
+    file order."""
+    import gzip
+
+    import zstandard
+
+    rng = np.random.default_rng(seed)
+    os.makedirs(directory, exist_ok=True)
+    everything = []
+    for i in range(num_files):
+        docs = [" ".join(rng.choice(WORDS, size=rng.integers(3, words))) for _ in range(docs_per_file)]
+        lines = "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
+        kind = i % 4
+        if kind == 3:
+            docs = docs[:1]
+            with open(os.path.join(directory, f"part{i:02d}.txt"), "w") as f:
+                f.write(docs[0])
+        else:
+            name = f"part{i:02d}.jsonl" + ("", ".gz", ".zst")[kind]
+            data = (lambda b: b, gzip.compress, zstandard.ZstdCompressor().compress)[kind](lines)
+            with open(os.path.join(directory, name), "wb") as f:
+                f.write(data)
+        everything += docs
+    return everything
+
+
+def tree(directory):
+    return {
+        os.path.relpath(os.path.join(root, name), directory): open(os.path.join(root, name), "rb").read()
+        for root, _, names in os.walk(directory)
+        for name in names
+    }
+
+
+def split_streams(directory):
+    """The concatenated token ids of each split, read back through the loader's source."""
+    out = {}
+    for split in records.SPLIT_NAMES:
+        source = records.PackedRecords(directory, split)
+        rows = [source._record(i) for i in range(len(source))]
+        out[split] = np.concatenate([tokens[segments > 0] for tokens, segments in rows])
+    return out
+
+
+@pytest.fixture(scope="module")
+def mixed_corpus(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("mixed")
+    return str(directory), write_mixed_corpus(directory)
+
+
+def prepare_args(corpus, out, tokenizer="byte", *extra):
+    return [f"--input={corpus}/*", f"--output={out}", "--seq-len=64", "--validation-fraction=0.2",
+            f"--tokenizer={tokenizer}", *extra]  # fmt: skip
+
+
+def test_prepared_ids_equal_the_tokenizer_librarys_own_encoding(mixed_corpus, bpe_tokenizer_json, tmp_path):
+    from tokenizers import Tokenizer
+
+    corpus, docs = mixed_corpus
+    out = str(tmp_path / "bpe")
+    fbt_prepare(prepare_args(corpus, out, bpe_tokenizer_json))
+    library = Tokenizer.from_file(bpe_tokenizer_json)
+    eos = library.token_to_id("<|endoftext|>")
+    meta = records.read_meta(out)
+    assert meta["eos_id"] == eos and meta["vocab_size"] == library.get_vocab_size(with_added_tokens=True)
+    assert meta["tokenizer_identity"].startswith("hf:") and meta["units"] > 1
+    streams = split_streams(out)
+    for split in records.SPLIT_NAMES:
+        held_out = split == "validation"
+        expected = [e.ids + [eos] for e in library.encode_batch([d for d in docs if is_validation(d, 0.2) == held_out])]
+        assert np.array_equal(streams[split], np.concatenate(expected)), split
+        assert meta["documents"][split] == len(expected) and meta["tokens"][split] == sum(map(len, expected))
+    # The manifest: every file with its split, size, checksum and counts, adding up to the totals.
+    for split in records.SPLIT_NAMES:
+        files = [e for e in meta["files"].values() if e["split"] == split]
+        assert sum(e["records"] for e in files) == meta["records"][split] == len(records.PackedRecords(out, split))
+        assert sum(e["documents"] for e in files) == meta["documents"][split]
+    for name, entry in meta["files"].items():
+        assert os.path.getsize(os.path.join(out, name)) == entry["bytes"]
+        assert records.file_digest(os.path.join(out, name)) == entry["blake2b"]
+
+
+def test_workers_and_shards_give_the_same_dataset_file_for_file(mixed_corpus, tmp_path):
+    corpus, docs = mixed_corpus
+    one = str(tmp_path / "one")
+    fbt_prepare(prepare_args(corpus, one))
+    two_workers = str(tmp_path / "two-workers")
+    result = run_command(["fbt-prepare", *prepare_args(corpus, two_workers), "--workers=2"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    three_shards = str(tmp_path / "three-shards")
+    for index in (2, 0, 1):  # any order; the last one writes the manifest
+        fbt_prepare([*prepare_args(corpus, three_shards), "--num-shards=3", f"--shard-index={index}"])
+        assert os.path.exists(os.path.join(three_shards, "meta.json")) == (index == 1)
+    reference = tree(one)
+    assert tree(two_workers) == reference and tree(three_shards) == reference
+    # The split is the documents' hash split, whoever prepared them.
+    meta = records.read_meta(one)
+    assert meta["documents"]["validation"] == sum(is_validation(d, 0.2) for d in docs)
+    assert meta["documents"]["train"] + meta["documents"]["validation"] == len(docs)
+
+
+def test_shard_index_from_a_slurm_array(mixed_corpus, tmp_path, monkeypatch):
+    corpus, _ = mixed_corpus
+    out = str(tmp_path / "slurm")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "2")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", "1")
+    for task in ("2", "1"):
+        monkeypatch.setenv("SLURM_ARRAY_TASK_ID", task)
+        fbt_prepare(prepare_args(corpus, out))
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID")
+    reference = str(tmp_path / "reference")
+    fbt_prepare(prepare_args(corpus, reference))
+    assert tree(out) == tree(reference)
+
+
+def test_a_killed_preparation_resumes_to_the_same_dataset(tmp_path, bpe_tokenizer_json):
+    corpus = str(tmp_path / "corpus")
+    write_mixed_corpus(corpus, num_files=16, docs_per_file=120, seed=1, words=600)
+    args = prepare_args(corpus, "{out}", bpe_tokenizer_json)
+    reference = str(tmp_path / "reference")
+    start = time.perf_counter()
+    result = run_command(["fbt-prepare", *[a.format(out=reference) for a in args]])
+    assert result.returncode == 0, result.stderr[-2000:]
+    seconds = time.perf_counter() - start
+    rng = random.Random(0)
+    for attempt, shards in enumerate((1, 2)):
+        out = str(tmp_path / f"killed-{attempt}")
+        argv = [["fbt-prepare", *[a.format(out=out) for a in args], f"--num-shards={shards}", f"--shard-index={i}"]
+                + (["--workers=2"] if shards == 1 else []) for i in range(shards)]  # fmt: skip
+        interrupted = 0
+        for _ in range(2):  # killed twice at seeded moments, then run to the end
+            procs = [start_command(a, start_new_session=True) for a in argv]
+            time.sleep(rng.uniform(0.5, seconds))
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            interrupted += not os.path.exists(os.path.join(out, "meta.json"))
+        assert interrupted, "no kill landed before the end: the test would not test resuming"
+        for a in argv:
+            result = run_command(a)
+            assert result.returncode == 0, result.stderr[-2000:]
+        assert tree(out) == tree(reference), attempt
+
+
+def test_the_loader_reads_a_sharded_dataset_as_one_set_of_records(mixed_corpus, tmp_path):
+    from fbt_jax.data.pipeline import StepBatches
+
+    corpus, _ = mixed_corpus
+    out = str(tmp_path / "prep")
+    fbt_prepare(prepare_args(corpus, out))
+    source = records.PackedRecords(out, "train")
+    assert len(records.split_files(source.meta, "train")) > 1
+    # Random access across file boundaries equals reading each file on its own, in order.
+    from grain.sources import ArrayRecordDataSource
+
+    expected = [r for path in source.paths for r in ArrayRecordDataSource(path)]
+    assert [bytes(r) for r in source._read(list(range(len(source))))] == expected
+    batches = StepBatches(source, 4, (0, 1, 2, 3), seed=0, shuffle=True)
+    per_epoch = len(source) // 4
+    seen = np.concatenate([batches.record_indices(s * 4 + np.arange(4)) for s in range(per_epoch)])
+    assert len(set(seen.tolist())) == len(seen)  # every record at most once per epoch
+
+
+def test_inputs_listed_in_a_file_and_given_as_globs_prepare_alike(mixed_corpus, tmp_path):
+    corpus, _ = mixed_corpus
+    files = [f.path for f in list_inputs(f"{corpus}/*")]
+    listing = tmp_path / "inputs.txt"
+    listing.write_text("# the corpus\n" + "\n".join(os.path.relpath(p, tmp_path) for p in files) + "\n")
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    fbt_prepare([*prepare_args(corpus, a)])
+    fbt_prepare([f"--input=@{listing}", *prepare_args(corpus, b)[1:]])
+    meta_a, meta_b = records.read_meta(a), records.read_meta(b)
+    assert meta_a["files"] == meta_b["files"] and meta_a["documents"] == meta_b["documents"]
+    assert sum(1 for f in files for _ in read_documents(f)) == sum(meta_a["documents"].values())
