@@ -118,7 +118,9 @@ def resolve_config_paths(config: Any) -> None:
         from fbt_jax.data.mixture import parse_mixture
 
         parts = parse_mixture(config.data.mixture, "--config.data.mixture")
-        config.data.mixture = ",".join(f"{name}={resolve(path, '--config.data.mixture')}:{weight}" for name, path, weight in parts)
+        config.data.mixture = ",".join(
+            f"{name}={resolve(path, '--config.data.mixture')}:{weight}" for name, path, weight in parts
+        )
     tokenizer = config.data.tokenizer
     if tokenizer and tokenizer != "byte":
         config.data.tokenizer = resolve(tokenizer, "--config.data.tokenizer")

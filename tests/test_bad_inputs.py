@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import glob
+import gzip
 import hashlib
+import json
 import os
 import random
 import re
@@ -127,7 +130,8 @@ def copy_run(tmp: str, shared: Shared) -> None:
 def copy_prepared(tmp: str, shared: Shared) -> str:
     target = os.path.join(tmp, "data")
     shutil.copytree(shared["prep"], target)
-    return os.path.join(target, "train.array_record")
+    files = sorted(glob.glob(os.path.join(target, "*.train.array_record")), key=os.path.getsize)
+    return files[-1]  # the largest of its train records files
 
 
 def garble(offset_fraction: float, length: int | None) -> Callable[[str, Shared], None]:
@@ -137,7 +141,7 @@ def garble(offset_fraction: float, length: int | None) -> Callable[[str, Shared]
         path = copy_prepared(tmp, shared)
         data = bytearray(open(path, "rb").read())
         start = int(len(data) * offset_fraction)
-        size = len(data) - start if length is None else length
+        size = len(data) - start if length is None else min(length, len(data) - start)
         data[start : start + size] = random.Random(1).randbytes(size)
         write(path, bytes(data))
 
@@ -171,6 +175,44 @@ def unreadable_file(name: str) -> Callable[[str, Shared], None]:
         os.chmod(path, 0)
 
     return setup
+
+
+def unreadable_dir(name: str, prepared: bool = False) -> Callable[[str, Shared], None]:
+    """A directory (a copy of the prepared data, or some text files) that its owner cannot read."""
+
+    def setup(tmp: str, shared: Shared) -> None:
+        path = os.path.join(tmp, name)
+        if prepared:
+            shutil.copytree(shared["prep"], path)
+        else:
+            write(os.path.join(path, "a.txt"), "some text " * 20)
+        os.chmod(path, 0)
+
+    return setup
+
+
+def remove_records_file(tmp: str, shared: Shared) -> None:
+    os.remove(copy_prepared(tmp, shared))
+
+
+JSONL = "".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(400)).encode()
+
+
+def parquet_bytes(columns: dict) -> bytes:
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buffer = io.BytesIO()
+    pq.write_table(pa.table(columns), buffer)
+    return buffer.getvalue()
+
+
+def zstd_bytes(data: bytes) -> bytes:
+    import zstandard
+
+    return zstandard.ZstdCompressor(write_checksum=True).compress(data)
 
 
 def read_only_workdir(tmp: str, shared: Shared) -> None:
@@ -324,14 +366,14 @@ CASES = [
         r"vocab_size=6 is smaller.*257 tokens for data.tokenizer='byte'.*vocab_size=257 or larger",
     ),
     case("train-text-no-path", TEXT, 2, r"needs data.path"),
-    case("train-text-no-file", [*TEXT, "--config.data.path={tmp}/none/*.txt"], 2, r"matches no file; give a glob"),
+    case("train-text-no-file", [*TEXT, "--config.data.path={tmp}/none/*.txt"], 2, r"matches no file; check the path"),
     file_case(
         "train-text-empty-file",
         TEXT,
         "--config.data.path",
         "empty.txt",
         b"",
-        r"empty\.txt is empty; remove it or fix data.path",
+        r"empty\.txt is empty; delete it or drop it from data.path",
     ),
     file_case(
         "train-text-not-utf8",
@@ -356,7 +398,7 @@ CASES = [
         "train-tokenizer-missing",
         [*TEXT, "--config.data.path={corpus}/*.txt", "--config.data.tokenizer={tmp}/none.model"],
         2,
-        r"neither 'byte' nor an existing SentencePiece model file; give 'byte' or",
+        r"neither 'byte' nor an existing tokenizer \(a SentencePiece .model, a tokenizer.json or a save_pretrained directory\); give 'byte' or",
     ),
     case(
         "train-prepared-seq-len-differs",
@@ -532,9 +574,19 @@ CASES = [
     case("eval-no-output-flag", EVAL[:2], 2, r"error: the following arguments are required: --output"),
     # fbt-prepare
     case("prepare-no-input", PREPARE, 2, r"give exactly one of --input .* or --tfds-name"),
-    case("prepare-input-missing", [*PREPARE, "--input={tmp}/none/*.txt"], 2, r"--input='.*' matches no file; give"),
+    case(
+        "prepare-input-missing",
+        [*PREPARE, "--input={tmp}/none/*.txt"],
+        2,
+        r"--input='.*' matches no file; check the path",
+    ),
     file_case(
-        "prepare-input-empty", PREPARE, "--input", "empty.txt", b"", r"empty\.txt is empty; remove it or fix --input"
+        "prepare-input-empty",
+        PREPARE,
+        "--input",
+        "empty.txt",
+        b"",
+        r"empty\.txt is empty; delete it or drop it from --input",
     ),
     file_case(
         "prepare-input-not-utf8",
@@ -564,7 +616,7 @@ CASES = [
         "prepare-output-exists",
         [*PREPARE[:1], "--output={dir}", *PREPARE[2:], "--input={corpus}/*.txt"],
         2,
-        r"already exists; choose a new directory",
+        r"already exists and is not an fbt-prepare output \(it holds kept.txt\); choose a new directory",
     ),
     case(
         "prepare-output-under-a-file",
@@ -589,7 +641,7 @@ CASES = [
         "prepare-tokenizer-missing",
         [*PREPARE, "--input={corpus}/*.txt", "--tokenizer={tmp}/none.model"],
         2,
-        r"--tokenizer='.*none.model' is neither 'byte' nor an existing SentencePiece model file; give",
+        r"--tokenizer='.*none.model' is neither 'byte' nor an existing tokenizer \(a SentencePiece .model, a tokenizer.json or a save_pretrained directory\); give",
     ),
     case(
         "prepare-tokenizer-not-a-model",
@@ -602,6 +654,88 @@ CASES = [
         [*PREPARE, "--input={corpus}/*.txt", "--validation-fraction=1.5"],
         2,
         r"--validation-fraction=1.5 must be in \[0, 1\); give the share",
+    ),
+    case(
+        "prepare-workers-zero",
+        [*PREPARE, "--input={corpus}/*.txt", "--workers=0"],
+        2,
+        r"--workers=0 must be at least 1",
+    ),
+    case(
+        "prepare-shard-outside-the-count",
+        [*PREPARE, "--input={corpus}/*.txt", "--num-shards=2", "--shard-index=2"],
+        2,
+        r"shard index 2 is outside the 2 shard\(s\) .*; use an index in 0..1",
+    ),
+    file_case(
+        "prepare-tokenizer-json-malformed",
+        [*PREPARE, "--input={corpus}/*.txt"],
+        "--tokenizer",
+        "tokenizer.json",
+        '{"model": {"type": "BPE", ',
+        r"--tokenizer: '.*tokenizer.json' is not a valid tokenizer.json \(.*\); give a tokenizer.json saved by",
+    ),
+    file_case(
+        "prepare-parquet-without-the-column",
+        PREPARE,
+        "--input",
+        "shard.parquet",
+        parquet_bytes({"body": ["some text"] * 50}),
+        r"shard.parquet has no column 'text'; its columns are \['body'\]",
+    ),
+    file_case(
+        "prepare-gzip-truncated",
+        PREPARE,
+        "--input",
+        "web.jsonl.gz",
+        gzip.compress(JSONL)[:-200],
+        r"web.jsonl.gz is truncated: its gzip data ends mid-stream, after \d+ line\(s\) \(at compressed byte \d+\)",
+    ),
+    file_case(
+        "prepare-zstd-truncated",
+        PREPARE,
+        "--input",
+        "web.jsonl.zst",
+        zstd_bytes(JSONL)[:-100],
+        r"web.jsonl.zst is truncated: .*after \d+ line\(s\)",
+    ),
+    case(
+        "prepare-input-in-an-unreadable-directory",
+        [*PREPARE, "--input={tmp}/locked/*.txt"],
+        2,
+        r"the directory .*locked cannot be read by this user, so its files cannot be listed; fix its permissions",
+        setup=unreadable_dir("locked"),
+        needs_permissions=True,
+    ),
+    # fbt-train on prepared data and mixtures
+    prepared_case(
+        "train-records-file-missing", remove_records_file, r"train.array_record are missing \(meta.json lists them\)"
+    ),
+    case(
+        "train-prepared-dir-unreadable",
+        [*TEXT, "--config.data.path={tmp}/locked"],
+        2,
+        r"cannot be read: permission denied on .*locked; fix its permissions",
+        setup=unreadable_dir("locked", prepared=True),
+        needs_permissions=True,
+    ),
+    case(
+        "train-mixture-negative-weight",
+        [*NEW, "--config.data.source=mixture", "--config.data.mixture=a={prep}:0.5,b={prep}:-0.5"],
+        2,
+        r"data.mixture: the weight of 'b=.*:-0.5' is -0.5; weights must be >= 0",
+    ),
+    case(
+        "train-mixture-weights-sum-to-zero",
+        [*NEW, "--config.data.source=mixture", "--config.data.mixture=a={prep}:0,b={prep}:0"],
+        2,
+        r"the weights sum to 0; give at least one dataset a positive weight",
+    ),
+    case(
+        "train-mixture-not-prepared",
+        [*NEW, "--config.data.source=mixture", "--config.data.mixture=a={prep}:1,b={dir}:1"],
+        2,
+        r"data.mixture: b=.*a-dir is not a prepared dataset|a-dir holds no prepared data",
     ),
     # launch/local.sh
     case("local-no-process-count", ["launch/local.sh"], 2, r"NUM_PROCESSES is missing; usage: launch/local.sh"),
@@ -728,8 +862,11 @@ def test_records_damaged_beyond_the_checked_size_fail_in_one_line_when_read(shar
     from fbt_jax.data import records
     from fbt_jax.errors import ConfigError
 
-    garble(1 / 3, 4096)(str(tmp_path), shared)
-    path = os.path.join(tmp_path, "data", "train.array_record")
+    path = copy_prepared(str(tmp_path), shared)
+    data = bytearray(open(path, "rb").read())
+    middle = data.find(b"\0" * 1024) // 2  # the middle of its records (ArrayRecord pads its blocks with zeros)
+    data[middle : middle + 256] = random.Random(1).randbytes(256)
+    write(path, bytes(data))
     limit = records.VERIFY_MAX_BYTES
     records.VERIFY_MAX_BYTES = 0
     try:

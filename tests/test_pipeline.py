@@ -120,7 +120,10 @@ FbtTinyText(data_dir={data_dir!r}).download_and_prepare(file_format="array_recor
             {"data.source": "task", "data.task": "delayed_recall", "data.delay": 40},
             "cannot be filled by data.seq_len=32",
         ),
-        ({"data.tokenizer": "/nonexistent.model"}, "neither 'byte' nor an existing SentencePiece model"),
+        (
+            {"data.tokenizer": "/nonexistent.model"},
+            "neither 'byte' nor an existing tokenizer (a SentencePiece .model, a tokenizer.json",
+        ),
     ],
 )
 def test_bad_data_inputs_give_one_clear_line(tmp_path, prepared, overrides, message):

@@ -5,6 +5,7 @@ the manifest says what it holds; the loader reads the sharded dataset as one set
 import json
 import os
 import random
+import re
 import signal
 import time
 
@@ -194,3 +195,64 @@ def test_inputs_listed_in_a_file_and_given_as_globs_prepare_alike(mixed_corpus, 
     meta_a, meta_b = records.read_meta(a), records.read_meta(b)
     assert meta_a["files"] == meta_b["files"] and meta_a["documents"] == meta_b["documents"]
     assert sum(1 for f in files for _ in read_documents(f)) == sum(meta_a["documents"].values())
+
+
+def failure(args, capsys) -> str:
+    """The one line fbt-prepare ends with when it refuses `args` (exit 2)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        fbt_prepare(args)
+    assert exit_info.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines[-1].startswith("fbt-prepare: ") and "Traceback" not in "".join(lines)
+    return lines[-1]
+
+
+def test_shards_prepared_with_different_tokenizers_are_refused_at_the_final_step(
+    mixed_corpus, tmp_path, bpe_tokenizer_json, capsys
+):
+    """Two machines that each wrote their shard elsewhere (no shared plan), then synced into one
+    directory: the shard that would write the manifest finds units of another tokenizer."""
+    import shutil
+
+    corpus, _ = mixed_corpus
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    fbt_prepare([*prepare_args(corpus, a), "--num-shards=2", "--shard-index=0"])
+    fbt_prepare([*prepare_args(corpus, b, bpe_tokenizer_json), "--num-shards=2", "--shard-index=1"])
+    for root, _, names in os.walk(b):
+        for name in names:
+            if name != "prepare.json":
+                target = os.path.join(a, os.path.relpath(os.path.join(root, name), b))
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                shutil.copy(os.path.join(root, name), target)
+    before = tree(a)
+    line = failure([*prepare_args(corpus, a), "--num-shards=2", "--shard-index=0"], capsys)
+    assert re.search(r"unit \d+ in .* was prepared with tokenizer_identity 'hf:.*', the plan says 'byte'", line)
+    assert tree(a) == before and not os.path.exists(os.path.join(a, "meta.json"))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (["--seq-len=32"], r"holds a preparation with other seq_len \(64 here, 32 in this command\)"),
+        (["--validation-fraction=0.5"], r"holds a preparation with other validation_fraction \(0.2 here, 0.5"),
+    ],
+    ids=["seq-len", "validation-fraction"],
+)
+def test_resuming_with_other_settings_is_one_line_and_keeps_what_is_there(
+    mixed_corpus, tmp_path, change, message, capsys
+):
+    from fbt_jax.errors import ConfigError
+
+    corpus, _ = mixed_corpus
+    out = str(tmp_path / "out")
+    fbt_prepare([*prepare_args(corpus, out), "--num-shards=3", "--shard-index=0"])
+    before = tree(out)
+    assert re.search(
+        message, failure([*prepare_args(corpus, out), *change, "--num-shards=3", "--shard-index=1"], capsys)
+    )
+    assert tree(out) == before
+    with pytest.raises(
+        ConfigError, match=r"holds an unfinished preparation \(no meta.json yet\); run the same fbt-prepare"
+    ):
+        records.read_meta(out)

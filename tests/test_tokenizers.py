@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import BPE_SPECIALS, text_config
+from conftest import text_config
 
 import fbt_jax.data.tokenizers as tokenizers_module
 from fbt_jax.data.tokenizers import (

@@ -41,8 +41,7 @@ def parse_mixture(spec: str, flag: str = "data.mixture") -> list[tuple[str, str,
             weight = None
         if weight is None:
             raise ConfigError(
-                f"{flag}: {part!r} is not [name=]path:weight; write e.g. "
-                "'web=prepared/web:0.7,code=prepared/code:0.3'"
+                f"{flag}: {part!r} is not [name=]path:weight; write e.g. 'web=prepared/web:0.7,code=prepared/code:0.3'"
             )
         if not math.isfinite(weight) or weight < 0:
             raise ConfigError(f"{flag}: the weight of {part!r} is {weight_text}; weights must be >= 0 (and finite)")
@@ -120,7 +119,10 @@ class Mixture:
         for i, source in enumerate(self.sources):
             rows = np.flatnonzero(dataset == i)
             if len(rows):
-                parts[i] = (rows, source.examples(records.epoch_order(index[rows], len(source), _seed(seed, i), shuffle)))
+                parts[i] = (
+                    rows,
+                    source.examples(records.epoch_order(index[rows], len(source), _seed(seed, i), shuffle)),
+                )
         first = next(iter(parts.values()))[1]
         out = {key: np.empty((len(dataset), *v.shape[1:]), v.dtype) for key, v in first.items()}
         for rows, examples in parts.values():

@@ -124,13 +124,17 @@ def validate_data(config: Any) -> tuple[int, str]:
         )
     if data.source == "mixture":
         if not data.mixture:
-            raise ConfigError("data.source='mixture' needs data.mixture, e.g. 'web=prepared/web:0.7,code=prepared/code:0.3'")
+            raise ConfigError(
+                "data.source='mixture' needs data.mixture, e.g. 'web=prepared/web:0.7,code=prepared/code:0.3'"
+            )
         components = parse_mixture(data.mixture)
         metas = []
         for name, path, _ in components:
             meta = prepared_meta(path)
             if meta is None:
-                raise ConfigError(f"data.mixture: {name}={path} is not a prepared dataset; run fbt-prepare --output={path} first")
+                raise ConfigError(
+                    f"data.mixture: {name}={path} is not a prepared dataset; run fbt-prepare --output={path} first"
+                )
             metas.append(meta)
         check_compatible([c[0] for c in components], metas)
         _adopt_tokenizer(config, metas[0], "data.mixture")

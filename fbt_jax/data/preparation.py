@@ -21,8 +21,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
-
 from fbt_jax import paths
 from fbt_jax.data import records, store
 from fbt_jax.data.documents import is_validation
@@ -286,7 +284,10 @@ def finish(plan: dict[str, Any], output: str) -> dict[str, Any] | None:
                     f"{plan[key]!r}: shards prepared with different settings cannot form one dataset; prepare "
                     "every shard with the same command into a new directory"
                 )
-    totals = {key: {s: sum(d[key][s] for d in units) for s in records.SPLIT_NAMES} for key in ("documents", "tokens", "records")}
+    totals = {
+        key: {s: sum(d[key][s] for d in units) for s in records.SPLIT_NAMES}
+        for key in ("documents", "tokens", "records")
+    }
     if totals["tokens"]["train"] < plan["seq_len"] + 1:
         if not paths.is_url(output):
             shutil.rmtree(output, ignore_errors=True)  # it can never become a dataset
@@ -294,7 +295,13 @@ def finish(plan: dict[str, Any], output: str) -> dict[str, Any] | None:
             f"the training data has {totals['tokens']['train']} tokens, fewer than one sequence of "
             f"seq_len+1 = {plan['seq_len'] + 1}; use more text or a shorter sequence length (data.seq_len, fbt-prepare --seq-len)"
         )
-    files = {name: entry for split in records.SPLIT_NAMES for d in units for name, entry in d["files"].items() if entry["split"] == split}
+    files = {
+        name: entry
+        for split in records.SPLIT_NAMES
+        for d in units
+        for name, entry in d["files"].items()
+        if entry["split"] == split
+    }
     meta = {
         "format_version": records.FORMAT_VERSION,
         **{key: plan[key] for key in ("tokenizer", "tokenizer_identity", "vocab_size", "eos_id", "bos_id")},
@@ -308,4 +315,3 @@ def finish(plan: dict[str, Any], output: str) -> dict[str, Any] | None:
     if not paths.is_url(output):
         shutil.rmtree(staging_dir(output), ignore_errors=True)
     return meta
-

@@ -20,7 +20,9 @@ from fbt_jax.errors import ArgumentParser, ConfigError, reported
 def main(argv: list[str] | None = None) -> None:
     """`fbt-prepare`: tokenise and pack a text corpus or a TFDS dataset into fixed-length records."""
     parser = ArgumentParser(prog="fbt-prepare", description=main.__doc__)
-    parser.add_argument("--output", required=True, help="directory to write, local or gs:// (a new one, or one to resume)")
+    parser.add_argument(
+        "--output", required=True, help="directory to write, local or gs:// (a new one, or one to resume)"
+    )
     parser.add_argument("--seq-len", type=int, required=True, help="tokens per example (the model's data.seq_len)")
     parser.add_argument(
         "--input",

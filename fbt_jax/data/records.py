@@ -151,7 +151,11 @@ class PackedRecords:
                 # A cheap integrity check (reading every record would cost an epoch): the count that
                 # fbt-prepare recorded, and the first and last records of each file, whole and of the right size.
                 starts = np.cumsum([0] + [(entry or {}).get("records", 0) for _, entry in files])
-                probe = {0, count - 1} | {int(s) for s in starts[1:-1] if 0 < s < count} | {int(s) - 1 for s in starts[1:-1] if 0 < s <= count}
+                probe = (
+                    {0, count - 1}
+                    | {int(s) for s in starts[1:-1] if 0 < s < count}
+                    | {int(s) - 1 for s in starts[1:-1] if 0 < s <= count}
+                )
                 for index in sorted(probe) if count else ():
                     if len(self._records[index]) != 2 * (self.seq_len + 1) * 4:
                         raise ValueError(f"record {index} has {len(self._records[index])} bytes")

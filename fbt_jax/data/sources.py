@@ -1,20 +1,15 @@
-"""The files of a text corpus and the documents in them, read as a stream: the "files -> documents"
-stage of the data pipeline.
+"""The "files -> documents" stage of the data pipeline: the files a corpus spec names (globs, or an
+@FILE listing them, for corpora too long for a flag or with commas in their paths) and the documents
+in each, read as a stream so that memory stays flat whatever the size of the corpus.
 
-A corpus is named by a spec: comma-separated globs (local or gs://), or `@FILE`, a file listing one
-glob per line (for corpora too long for a flag, or with commas in their paths). A file's suffix says
-how to read it: `.jsonl` (optionally `.gz` / `.zst`) holds one JSON object per line, `.parquet` a
-text column, read row group by row group; any other file is one plain-text document. Compressed
-files are decompressed as a stream, so memory stays flat whatever the size of the corpus.
-
-Bad input stops the run with one line naming the file and the fix, and a damaged input is never read
-as a shorter corpus: a truncated .gz or .zst file is an error, not its first part. Local and remote
-files differ only in how a glob is expanded (`_expand`) and a byte stream is opened (`_open`); the
-decoders are the same.
+Bad input is one line naming the file and the fix, found before any work where that is cheap
+(`check_input`); damaged input is never read as a shorter corpus (a truncated .gz/.zst is an error).
+Local and remote (gs://) files differ only in how globs expand (`_expand`) and bytes open (`_open`).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import glob
 import gzip
@@ -26,6 +21,7 @@ import zlib
 from collections.abc import Iterator
 from typing import IO, Any
 
+import fsspec
 import zstandard
 
 from fbt_jax.errors import ConfigError, describe
@@ -34,6 +30,7 @@ from fbt_jax.paths import is_url
 SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
 _MAGIC = {".jsonl.gz": ("gzip", b"\x1f\x8b"), ".jsonl.zst": ("zstd", b"\x28\xb5\x2f\xfd")}
 _PARQUET_BATCH_ROWS = 256  # documents per parquet batch: bounds the Python objects alive at once
+_NO_MATCH = "matches no file; check the path, or give a glob of corpus files, e.g. 'corpus/**/*.jsonl.zst'"
 _ZSTD_OUTPUT = 1 << 18  # about this many decompressed bytes per step (see `_ZstdStream`)
 
 
@@ -47,15 +44,11 @@ def list_inputs(spec: str, flag: str = "data.path") -> list[InputFile]:
     """The files a corpus spec names, sorted by path, de-duplicated. `spec` is one or more
     comma-separated globs (`**` recursive; a plain path is a glob matching itself), each local or
     gs://, or `@FILE`: a local or gs:// file listing one glob or path per line (blank lines and lines
-    starting with # ignored; relative entries are relative to the listing file's directory).
-
-    Every glob must match a file, and every file must be non-empty and readable. `flag` is how the user
-    gave the spec (a config field or a command-line flag), named in errors."""
+    starting with # ignored; relative entries are relative to the listing file's directory). Every glob
+    must match a file, every file be non-empty and readable; `flag` names the spec's origin in errors."""
     spec = spec.strip()
-    if spec.startswith("@"):
-        entries = _listing(spec[1:].strip(), flag)
-    else:
-        entries = [(p.strip(), f"{flag}={p.strip()!r}") for p in spec.split(",") if p.strip()]
+    globs = [p.strip() for p in spec.split(",") if p.strip()]
+    entries = _listing(spec[1:].strip(), flag) if spec.startswith("@") else [(p, f"{flag}={p!r}") for p in globs]
     if not entries:
         raise ConfigError(f"{flag} is empty; give a glob of corpus files, e.g. 'corpus/*.jsonl', or @FILE listing them")
     files = {f.path: f for pattern, label in entries for f in _expand(pattern, label)}
@@ -85,23 +78,24 @@ def read_documents(file: InputFile | str, text_key: str = "text", flag: str = "d
                 lines = raw  # binary lines, decoded one by one: errors then name the file's byte offset
                 if kind in _MAGIC:
                     _check_magic(raw, path, kind, flag)
-                    gz = kind == ".jsonl.gz"
-                    lines = gzip.GzipFile(fileobj=raw) if gz else io.BufferedReader(_ZstdStream(raw), 1 << 16)
+                    lines = gzip.GzipFile(fileobj=raw) if kind == ".jsonl.gz" else io.BufferedReader(_ZstdStream(raw))
                 for number, line in enumerate(lines, start=1):
-                    if line.strip():
-                        yield _json_text(
-                            _utf8(line, path, flag, f"{path}:{number}", offset), path, number, text_key, flag
-                        )
+                    try:
+                        text = _json_text(line, f"{path}:{number}", offset, text_key, flag) if line.strip() else None
+                    except ConfigError:  # damaged data can decode to garbage before its checksum fails: check that
+                        collections.deque(lines if kind in _MAGIC else (), maxlen=0)
+                        raise
+                    if text is not None:
+                        yield text
                     offset += len(line)
-        except EOFError:  # gzip's, and `_ZstdStream`'s, for data that stops inside a compressed stream
+        except (EOFError, zlib.error, gzip.BadGzipFile, zstandard.ZstdError) as err:
+            name = _MAGIC[kind][0]
+            what = f"damaged: bad {name} data ({describe(err, 120)})"
+            if isinstance(err, EOFError):  # gzip's and `_ZstdStream`'s: the data stops inside a compressed stream
+                what = f"truncated: its {name} data ends mid-stream"
             raise ConfigError(
-                f"{path} is truncated: its {_MAGIC[kind][0]} data ends mid-stream, after {number} line(s) (at "
-                f"compressed byte {raw.tell()}); the file is cut short: re-download it or drop it from {flag}"
-            ) from None
-        except (zlib.error, gzip.BadGzipFile, zstandard.ZstdError) as err:
-            raise ConfigError(
-                f"{path} is damaged: bad {_MAGIC[kind][0]} data after {number} line(s) (near compressed byte "
-                f"{raw.tell()}: {describe(err, 120)}); re-download it or drop it from {flag}"
+                f"{path} is {what}, after {number} line(s) (at compressed byte {raw.tell()}); re-download it or drop "
+                f"it from {flag}"
             ) from None
         except OSError as err:
             raise _cannot_read(path, err, flag) from None
@@ -111,8 +105,7 @@ def check_input(file: InputFile | str, text_key: str = "text", flag: str = "data
     """Cheap checks of one file before any work, without reading it: a .parquet file's schema has a
     string column `text_key`, and a .gz/.zst file starts with its format's magic bytes."""
     path = file.path if isinstance(file, InputFile) else str(file)
-    kind = _kind(path)
-    if kind in _MAGIC or kind == ".parquet":
+    if (kind := _kind(path)) in (*_MAGIC, ".parquet"):
         with _open_checked(path, flag) as raw:
             try:
                 _parquet_file(raw, path, text_key, flag) if kind == ".parquet" else _check_magic(raw, path, kind, flag)
@@ -120,47 +113,36 @@ def check_input(file: InputFile | str, text_key: str = "text", flag: str = "data
                 raise _cannot_read(path, err, flag) from None
 
 
-# --- where bytes come from: the only code that tells local files from remote ones ---------------------------
-
-
-def _filesystem(url: str) -> Any:
-    import fsspec
-
-    return fsspec.filesystem(url.split("://", 1)[0])
-
-
 def _open(path: str) -> IO[bytes]:
+    """The file's bytes: with `_expand`, the only code that tells local files from remote ones."""
     if not is_url(path):
         return open(path, "rb")
     if path.startswith("gs://"):  # through etils.epath (gcsfs underneath), as the rest of the framework
         from etils import epath
 
         return epath.Path(path).open("rb")
-    return _filesystem(path).open(path, "rb")  # any other fsspec file system (memory:// in the tests)
+    return fsspec.open(path, "rb").open()  # any other fsspec file system (memory:// in the tests)
 
 
 def _expand(pattern: str, label: str) -> list[InputFile]:
     """The files one glob matches; `label` names the glob in errors."""
-    hint = "check the path, or give a glob of corpus files, e.g. 'corpus/*.jsonl' or 'corpus/**/*.parquet'"
     if is_url(pattern):
-        return _expand_remote(_filesystem(pattern), pattern, label, hint)
+        return _expand_remote(fsspec.filesystem(pattern.split("://", 1)[0]), pattern, label)
     pattern = os.path.abspath(os.path.expanduser(pattern))
     if os.path.isfile(pattern):  # a plain path matches itself, even with [ ] or * in its name
         return [InputFile(pattern, os.path.getsize(pattern))]
     files = [InputFile(p, os.path.getsize(p)) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
     if not files:
-        # glob skips a directory it cannot list without a word: say so, not "matches no file"
-        blocked = _unreadable_dir(pattern)
-        if blocked:
+        if blocked := _unreadable_dir(pattern):  # glob skips what it cannot list, without a word
             raise ConfigError(
                 f"{label}: the directory {blocked} cannot be read by this user, so its files cannot be listed; "
                 f"fix its permissions (e.g. chmod u+rx {blocked})"
             )
-        raise ConfigError(f"{label} matches no file; {hint}")
+        raise ConfigError(f"{label} {_NO_MATCH}")
     return files
 
 
-def _expand_remote(fs: Any, pattern: str, label: str, hint: str) -> list[InputFile]:
+def _expand_remote(fs: Any, pattern: str, label: str) -> list[InputFile]:
     """The files a glob matches on an fsspec file system (gcsfs for gs://), with their sizes."""
     try:
         found = fs.glob(pattern, detail=True)
@@ -176,7 +158,7 @@ def _expand_remote(fs: Any, pattern: str, label: str, hint: str) -> list[InputFi
         if info.get("type") == "file" and not path.endswith("/")  # not a bucket's "directory" placeholder
     ]
     if not files:
-        raise ConfigError(f"{label} matches no file; {hint}")
+        raise ConfigError(f"{label} {_NO_MATCH}")
     return files
 
 
@@ -184,21 +166,17 @@ def _unreadable_dir(pattern: str) -> str | None:
     """The directory on the way to a glob's matches that this user cannot list or enter, if any."""
     parts = pattern.split(os.sep)
     magic = next((i for i, part in enumerate(parts) if glob.has_magic(part)), None)
-    listed = os.sep.join(parts[: len(parts) - 1 if magic is None else magic]) or os.sep
-    chain = [listed]
-    while os.path.dirname(chain[-1]) != chain[-1]:
-        chain.append(os.path.dirname(chain[-1]))
-    for directory in reversed(chain):
+    depth = len(parts) - 1 if magic is None else magic  # parts[:depth] is the directory glob lists first
+    listed = os.sep.join(parts[:depth]) or os.sep
+    for directory in (os.sep.join(parts[:i]) or os.sep for i in range(1, depth + 1)):  # from the root down
         if not os.path.isdir(directory):
             return None  # the path does not exist: "matches no file" is the right message
         if not os.access(directory, os.X_OK | (os.R_OK if directory == listed and magic is not None else 0)):
             return directory
-    if magic is not None and magic < len(parts) - 1:  # wildcards in directories: glob lists those below too
-        for root, dirs, _ in os.walk(listed):
-            for name in dirs:
-                if not os.access(os.path.join(root, name), os.R_OK | os.X_OK):
-                    return os.path.join(root, name)
-    return None
+    recursive = magic is not None and (magic < len(parts) - 1 or "**" in pattern)  # glob lists below, too
+    below = os.walk(listed) if recursive else ()
+    subdirectories = (os.path.join(root, name) for root, dirs, _ in below for name in dirs)
+    return next((d for d in subdirectories if not os.access(d, os.R_OK | os.X_OK)), None)
 
 
 def _listing(location: str, flag: str) -> list[tuple[str, str]]:
@@ -226,12 +204,8 @@ def _listing(location: str, flag: str) -> list[tuple[str, str]]:
     return entries
 
 
-# --- decoders: from a binary stream to documents -------------------------------------------------------------
-
-
 def _kind(path: str) -> str:
-    name = path.lower()
-    return next((suffix for suffix in SUFFIXES if name.endswith(suffix)), ".txt")
+    return next((suffix for suffix in SUFFIXES if path.lower().endswith(suffix)), ".txt")
 
 
 def _open_checked(path: str, flag: str) -> IO[bytes]:
@@ -256,14 +230,15 @@ def _utf8(data: bytes, path: str, flag: str, where: str, offset: int) -> str:
         ) from None
 
 
-def _json_text(line: str, path: str, number: int, text_key: str, flag: str) -> str:
+def _json_text(line: bytes, where: str, offset: int, text_key: str, flag: str) -> str:
+    decoded = _utf8(line, where, flag, where, offset)
     try:
-        text = json.loads(line)[text_key]
+        text = json.loads(decoded)[text_key]
     except (json.JSONDecodeError, KeyError, TypeError, IndexError):
         text = None
     if not isinstance(text, str):
         raise ConfigError(
-            f"{path}:{number} is not a JSON object with a {text_key!r} string; write one "
+            f"{where} is not a JSON object with a {text_key!r} string; write one "
             f"{json.dumps({text_key: '...'})} object per line, or drop the file from {flag}"
         )
     return text
@@ -282,16 +257,12 @@ def _check_magic(raw: IO[bytes], path: str, kind: str, flag: str) -> None:
 
 
 class _ZstdStream(io.RawIOBase):
-    """The decompressed bytes of a zstd stream of one or more frames, an error where they are cut.
-
-    zstandard's `stream_reader` (0.25) ends a truncated frame silently, as if the file were shorter,
-    so frames are decompressed with `decompressobj`, whose `eof` tells a complete frame from a cut one.
-    It returns all the output of what it is fed: input goes in small steps, sized from the ratio seen
-    so far, so that one step yields about `_ZSTD_OUTPUT` bytes and memory stays flat."""
+    """Decompressed zstd frames, one after another; EOFError where a frame is cut. zstandard's `stream_reader`
+    (0.25) ends a cut frame silently, as if the file were shorter; a `decompressobj` tells (`eof`), but returns
+    all the output of its input at once: input goes in steps sized to yield about `_ZSTD_OUTPUT` bytes each."""
 
     def __init__(self, raw: IO[bytes]):
-        self._raw, self._frame, self._step = raw, None, 256  # grows once the ratio is known
-        self._input, self._output = b"", memoryview(b"")
+        self._raw, self._frame, self._step, self._input, self._output = raw, None, 256, b"", memoryview(b"")
 
     def readable(self) -> bool:
         return True
@@ -328,14 +299,14 @@ def _parquet_file(raw: IO[bytes], path: str, text_key: str, flag: str) -> Any:
     schema = parquet.schema_arrow
     if text_key not in schema.names:
         raise ConfigError(
-            f"{path} has no column {text_key!r}; its columns are {schema.names}: name the text column "
-            f"(data.text_key) or drop the file from {flag}"
+            f"{path} has no column {text_key!r}; its columns are {schema.names}: set the text key to the one "
+            f"holding the text, or drop the file from {flag}"
         )
     kind = schema.field(text_key).type
     value = kind.value_type if pa.types.is_dictionary(kind) else kind
     if not (pa.types.is_string(value) or pa.types.is_large_string(value) or pa.types.is_string_view(value)):
         raise ConfigError(
-            f"{path}: the column {text_key!r} holds {kind}, not strings; name a text column (data.text_key) "
+            f"{path}: the column {text_key!r} holds {kind}, not strings; set the text key to a string column, "
             f"or drop the file from {flag}"
         )
     return parquet
@@ -349,14 +320,10 @@ def _parquet_documents(parquet: Any, path: str, text_key: str, flag: str) -> Ite
         for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[text_key]):
             for text in batch.column(0).to_pylist():
                 if text is None:
-                    raise ConfigError(
-                        f"{path} row {row} (from 0): the {text_key!r} column is null; drop or fill the null rows, "
-                        f"or drop the file from {flag}"
-                    )
+                    where = f"{path} row {row} (from 0): the {text_key!r} column is null"
+                    raise ConfigError(f"{where}; drop or fill the null rows, or drop the file from {flag}")
                 yield text
                 row += 1
     except (pa.ArrowException, OSError) as err:
-        raise ConfigError(
-            f"{path} is damaged: it cannot be read past row {row} ({describe(err, 120)}); re-download it or drop it "
-            f"from {flag}"
-        ) from None
+        damage = f"{path} is damaged: it cannot be read past row {row} ({describe(err, 120)})"
+        raise ConfigError(f"{damage}; re-download it or drop it from {flag}") from None
