@@ -121,6 +121,31 @@ def mode_metrics(model: Any, batch: dict[str, np.ndarray], prompt_len: int) -> d
     return out
 
 
+def text_samples(model: Any, batch: dict[str, np.ndarray], tokenizer: Any, rows: int = 2) -> list[dict[str, str]]:
+    """Greedy continuations of the first documents of `batch` in every decoding mode, as text: the
+    first half of each row's first document is the prompt, the rest its reference."""
+    out = []
+    first_B = batch["segment_ids"][:rows] == batch["segment_ids"][:rows, :1]
+    length = max(2, int(first_B.sum(axis=1).min()) // 2)
+    prompts = np.asarray(batch["inputs"][:rows, :length], np.int32)
+    new = min(length, batch["inputs"].shape[1] - length)
+    for mode in decode.MODES:
+        tokens, counts = decode.generate(
+            model, jnp.asarray(prompts), jnp.full((len(prompts),), length), new, mode, stop_tokens=(tokenizer.eos_id,)
+        )
+        tokens, counts = np.asarray(tokens), np.asarray(counts)
+        for i in range(len(prompts)):
+            out.append(
+                {
+                    "row": i,
+                    "mode": mode,
+                    "prompt": tokenizer.decode(prompts[i]),
+                    "text": tokenizer.decode(tokens[i, : counts[i]]),
+                }
+            )
+    return out
+
+
 def write_plots(report: dict[str, Any], output: str) -> list[str]:
     import matplotlib
 
@@ -221,6 +246,9 @@ def evaluate(
     if getattr(source, "packed", False):
         # The cached decode path runs one document per row; packed rows hold several.
         report["sequential"] = {"skipped": "packed text: the sequential profile needs one document per row"}
+        from fbt_jax.data.tokenizers import load_tokenizer
+
+        report["samples"] = text_samples(model, batch, load_tokenizer(config.data.tokenizer))
     else:
         report["sequential"] = {k: v.tolist() for k, v in sequential_profile(model, batch).items()}
     if config.data.source == "task":
@@ -291,6 +319,8 @@ def main(argv: list[str] | None = None) -> None:
             f"K=2 {by_position['K2'][-1]:.3f}, exact recurrence {by_position['exact'][-1]:.3f} "
             f"(chance {by_position['chance'][-1]:.3f})"
         )
+    for sample in report.get("samples", []):
+        print(f"{sample['mode']:>8} | …{sample['prompt'][-40:]!r} → {sample['text'][:60]!r}")
     print(f"wrote {os.path.join(output, 'report.json')} and {len(report['plots'])} plots")
 
 

@@ -5,6 +5,10 @@
 #   launch/tpu_pod.sh [--dry-run] [--setup] TPU_NAME ZONE <fbt-train args...>
 #   e.g. launch/tpu_pod.sh my-v5p-128 us-east5-a --config=configs/fbt_1b.py --config.workdir=gs://bucket/runs/1b
 #
+# PROGRAM=fbt-prepare runs fbt-prepare instead, one shard per host: each worker's shard index and
+# the shard count come from the TPU metadata (TPU_WORKER_ID, TPU_WORKER_HOSTNAMES), e.g.
+#   PROGRAM=fbt-prepare launch/tpu_pod.sh my-v5p-128 us-east5-a --input='gs://b/corpus/*.jsonl.zst' ...
+#
 # --setup first copies this checkout to every worker and installs it (pip install -e .).
 # --dry-run prints the gcloud commands without running them. Environment:
 #   PROJECT        gcloud project (default: gcloud's configured one)
@@ -41,6 +45,16 @@ if [[ $setup -eq 1 ]]; then
   run "${ssh[@]}" --command "cd $remote_dir && python3 -m pip install -q -e . 'jax[tpu]'"
 fi
 
+program=${PROGRAM:-fbt-train}
+case "$program" in
+  fbt-train) worker_env="" ;;
+  fbt-prepare)
+    # A worker's number and the slice's hosts, from the metadata server (as JAX itself reads them).
+    metadata='curl -sf -H Metadata-Flavor:Google http://metadata.google.internal/computeMetadata/v1/instance/attributes'
+    worker_env="export TPU_WORKER_ID=\${TPU_WORKER_ID:-\$($metadata/agent-worker-number)} TPU_WORKER_HOSTNAMES=\${TPU_WORKER_HOSTNAMES:-\$($metadata/worker-network-endpoints)} && "
+    ;;
+  *) echo "tpu_pod.sh: PROGRAM=$program is not fbt-train or fbt-prepare" >&2; exit 2 ;;
+esac
 # Unbuffered output so every host's progress shows up; only process 0 prints metrics.
-command="cd $remote_dir && PYTHONUNBUFFERED=1 ${EXTRA_ENV:-} fbt-train $(printf '%q ' "$@")"
+command="cd $remote_dir && ${worker_env}PYTHONUNBUFFERED=1 ${EXTRA_ENV:-} $program $(printf '%q ' "$@")"
 run "${ssh[@]}" --command "$command"

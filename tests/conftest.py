@@ -41,6 +41,7 @@ MODULES = {
     "fbt-eval": "fbt_jax.evaluate",
     "fbt-decode": "fbt_jax.decode_cli",
     "fbt-prepare": "fbt_jax.data.prepare",
+    "fbt-train-tokenizer": "fbt_jax.data.train_tokenizer",
     "fbt-sweep": "fbt_jax.sweep.cli",
 }
 

@@ -19,6 +19,7 @@ BENCHMARKS = {
     "step_cost": "configs",
     "checkpoint_cost": "save_restore",
     "data_throughput": "pipeline",
+    "prepare_throughput": "tokens_per_second",
     "decode_cost": "results",
     "sharding_overhead": "compile_seconds",
     "first_run": "wall_seconds",

@@ -61,17 +61,44 @@ RUNS = [
     ),
     (
         "docs/data.md",
-        "fbt-prepare --input=\"$(python -c 'import email, os; print(os.path.dirname(email.__file__))')/*.py\" "
-        "--output=prepared/email-128 --seq-len=128 --validation-fraction=0.1",
+        "fbt-train-tokenizer --input=\"$(python -c 'import os; print(os.path.dirname(os.__file__))')/*.py\" "
+        "--vocab-size=1024 --output=prepared/stdlib-bpe/tokenizer.json",
+        "",
+        "1,024 ids",
+    ),
+    (
+        "docs/data.md",
+        "for i in 0 1; do fbt-prepare --input=\"$(python -c 'import os; print(os.path.dirname(os.__file__))')/*.py\" "
+        "--tokenizer=prepared/stdlib-bpe/tokenizer.json --output=prepared/stdlib-128 --seq-len=128 "
+        "--validation-fraction=0.1 --workers=2 --num-shards=2 --shard-index=$i; done",
         "",
         "validation records",
     ),
     (
         "docs/data.md",
         "fbt-train --config=configs/tiny.py --config.workdir=runs/text --config.data.source=text "
-        "--config.data.path=prepared/email-128 --config.data.seq_len=128 --config.model.vocab_size=257",
+        "--config.data.path=prepared/stdlib-128 --config.data.seq_len=128 --config.model.vocab_size=1024",
         "--config.train.steps=60",
         "trained 60 steps",
+    ),
+    (
+        "docs/data.md",
+        'fbt-decode --checkpoint=runs/text --mode=soft --prompt="import os" --max-new-tokens=24',
+        "",
+        '"prompt": "import os"',
+    ),
+    (
+        "docs/data.md",
+        "fbt-eval --checkpoint=runs/text --output=runs/text/eval --max-depth=8 --batch-size=8",
+        "",
+        "    soft | …",
+    ),
+    (
+        "docs/data.md",
+        "DRY_RUN=1 SLURM_ARRAY_TASK_ID=0 SLURM_ARRAY_TASK_COUNT=16 bash launch/slurm_prepare.sbatch "
+        "--input=corpus/*.jsonl --output=prepared/web --seq-len=2048",
+        "",
+        "task 0 of 16: fbt-prepare --input=corpus/\\*.jsonl --output=prepared/web --seq-len=2048 --workers=",
     ),
     ("docs/decoding.md", "printf 'import json\\ndef main(\\n' > prompts.txt", "", ""),
     (
@@ -118,7 +145,8 @@ CREATED = [
     "runs/text",
     "runs/local2",
     "runs/sweeps",
-    "prepared/email-128",
+    "prepared/stdlib-bpe",
+    "prepared/stdlib-128",
     "prompts.txt",
     "gen.jsonl",
 ]
