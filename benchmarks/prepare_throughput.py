@@ -11,12 +11,13 @@ one document a file, written into 16 .jsonl.zst files):
    a subprocess; the configurations are interleaved round by round and the medians reported. The
    datasets of one tokenizer must be the same file for file whatever the workers (else exit 1).
 2. the peak RSS of a one-worker BPE preparation (the child's own ru_maxrss, from wait4) of a
-   corpus S (the first half of the corpus, in 2 files) and of a corpus 4S holding S's documents
-   four times over (each copy made distinct by a marker line), also in 2 files: it should not
-   grow with the corpus. S's units (a file each) are larger than one encode batch (4 MiB of text,
-   preparation.BATCH_BYTES), so both hold the largest batch there is; in --smoke they are not,
-   and the batch, hence the peak, grows with the unit (the tokenizers library's encodings take
-   some 90 bytes a token while a batch is encoded).
+   corpus S (a quarter of the corpus, in 4 files) and of a corpus 4S holding S's documents four
+   times over (each copy made distinct by a marker line) in four times as many files of the same
+   size, as corpora grow: it should not grow with the corpus. Then the same two corpora each in
+   one file, i.e. one unit 4× larger, to show what memory does within a unit. S's files are larger
+   than one encode batch (preparation.BATCH_BYTES of text); in --smoke they are not, and the
+   batch, hence the peak, grows with the unit (the tokenizers library's encodings take some 90
+   bytes a token while a batch is encoded).
 
     python benchmarks/prepare_throughput.py [--rounds 3] [--smoke] [--write-docs PATH]
 
@@ -47,10 +48,9 @@ TRAIN_BYTES = 4 << 20  # the tokenizers are trained on (at most) this much of th
 SP_VOCAB, SP_SENTENCES, BPE_VOCAB = 4000, 100_000, 8000
 SEQ_LEN = 1024
 COPIES = 4  # corpus 4S: every document of S four times
-# S (the first half of the corpus) and 4S are written into this many files, so that every unit (one
-# file each) is larger than one encode batch (preparation.BATCH_BYTES of text): both runs then hold
-# the largest batch there is, and any growth left is the corpus's.
-RSS_FILES = 2
+# Corpus S (a quarter of the corpus) is written into this many files (a unit each), each larger than
+# one encode batch (preparation.BATCH_BYTES of text); 4S into four times as many of the same size.
+RSS_FILES = 4
 CONFIGS = ("1 core (pinned)", "2 workers")
 TOKENS_PER_S = re.compile(r"\(([\d,]+) tokens/s with \d+ worker")
 
@@ -75,24 +75,28 @@ def stdlib_documents(max_bytes: int) -> list[str]:
     return docs
 
 
-def write_corpus(docs: list[str], directory: str, copies: int = 1, num_files: int = NUM_FILES) -> int:
+def write_corpus(
+    docs: list[str], directory: str, copies: int = 1, num_files: int = NUM_FILES, separate_copies: bool = False
+) -> int:
     """`docs` dealt round-robin into `num_files` .jsonl.zst files in `directory` (zstd frames with
-    checksums), each file holding its documents `copies` times (copy c > 0 ends with a marker line,
-    so no two documents are the same); returns the bytes of text written."""
+    checksums), `copies` times (copy c > 0 ends with a marker line, so no two documents are the
+    same): within each file, or with `separate_copies` each copy in files of its own (a corpus
+    grown by more files of the same size); returns the bytes of text written."""
     import zstandard
 
     os.makedirs(directory)
     compressor = zstandard.ZstdCompressor(level=3, write_checksum=True)
     total = 0
-    for i in range(num_files):
-        lines = []
-        for copy in range(copies):
-            for text in docs[i::num_files]:
-                text = text if copy == 0 else f"{text}\n# copy {copy}\n"
-                total += len(text.encode("utf-8"))
-                lines.append(json.dumps({"text": text}))
-        with open(os.path.join(directory, f"part-{i:02d}.jsonl.zst"), "wb") as f:
-            f.write(compressor.compress(("\n".join(lines) + "\n").encode("utf-8")))
+    for group in range(copies if separate_copies else 1):
+        for i in range(num_files):
+            lines = []
+            for copy in (group,) if separate_copies else range(copies):
+                for text in docs[i::num_files]:
+                    text = text if copy == 0 else f"{text}\n# copy {copy}\n"
+                    total += len(text.encode("utf-8"))
+                    lines.append(json.dumps({"text": text}))
+            with open(os.path.join(directory, f"part-{group}-{i:02d}.jsonl.zst"), "wb") as f:
+                f.write(compressor.compress(("\n".join(lines) + "\n").encode("utf-8")))
     return total
 
 
@@ -257,11 +261,17 @@ def main() -> None:
             if any(entry != by_config[CONFIGS[0]][0] for runs in by_config.values() for entry in runs)
         ]
 
-        rss_docs = leading(docs, corpus_bytes // 2)
+        rss_docs = leading(docs, corpus_bytes // 4)
         rss_bytes, rss_mib = {}, {}
-        for name, copies in (("S", 1), ("4S", COPIES)):
-            directory, output = os.path.join(tmp, f"corpus-{name}"), os.path.join(tmp, f"rss-{name}")
-            rss_bytes[name] = write_corpus(rss_docs, directory, copies, RSS_FILES)
+        # (a) the corpus grows by more files of one size (how corpora grow); (b) one unit grows.
+        for name, copies, files, separate in (
+            ("S", 1, RSS_FILES, True),
+            ("4S", COPIES, RSS_FILES, True),
+            ("S, one file", 1, 1, False),
+            ("4S, one file", COPIES, 1, False),
+        ):
+            directory, output = os.path.join(tmp, "rss-corpus"), os.path.join(tmp, "rss-out")
+            rss_bytes[name] = write_corpus(rss_docs, directory, copies, files, separate)
             _, _, usage = run_prepare(prepare_argv(directory, bpe_json, output, 1), base_env)
             rss_mib[name] = usage.ru_maxrss / 1024  # KiB on Linux
             shutil.rmtree(output)
@@ -272,6 +282,7 @@ def main() -> None:
     }
     speedup = {tok: m[CONFIGS[1]] / m[CONFIGS[0]] for tok, m in medians.items()}
     rss_ratio = rss_mib["4S"] / rss_mib["S"]
+    unit_ratio = rss_mib["4S, one file"] / rss_mib["S, one file"]
     results = {
         "corpus": {"documents": len(docs), "files": NUM_FILES, "text_bytes": corpus_bytes},
         "rounds": args.rounds,
@@ -286,6 +297,7 @@ def main() -> None:
         "batch_bytes": BATCH_BYTES,
         "peak_rss_mib": rss_mib,
         "rss_ratio": rss_ratio,
+        "rss_unit_ratio": unit_ratio,
         "wall_seconds": time.perf_counter() - begin,
     }
 
@@ -303,7 +315,7 @@ def main() -> None:
     for name in rss_mib:
         print(f"{'corpus ' + name:<26}{rss_bytes[name] / 2**20:>10.1f}{rss_mib[name]:>10.0f}")
     print(
-        f"peak RSS 4S / S: {rss_ratio:.2f}; target <= 1.25 (flat)"
+        f"peak RSS 4S / S: {rss_ratio:.2f}; target <= 1.25 (flat); one unit 4x larger: {unit_ratio:.2f}"
         + ("" if rss_bytes["S"] / RSS_FILES >= BATCH_BYTES else "; here S's units are smaller than one encode batch")
     )
     if different:
@@ -353,10 +365,12 @@ def docs_text(results: dict, smoke: bool) -> str:
         f"{results['rounds']} interleaved round(s); one core = {results['pinning']} with RAYON_NUM_THREADS=1 and "
         "--workers=1. Both configurations wrote the same dataset, file for file. Target for bpe: ≥ 1.7×.",
         f"Peak RSS of fbt-prepare (bpe, 1 worker): {rss['S']:.0f} MiB for corpus S "
-        f"({sizes['S'] / 2**20:.1f} MiB of text), {rss['4S']:.0f} MiB for 4S ({sizes['4S'] / 2**20:.1f} MiB, "
-        f"S's documents four times), each in {results['rss_corpus_files']} files (units) against encode "
-        f"batches of at most {results['batch_bytes'] / 2**20:.0f} MiB of text; 4S / S = {results['rss_ratio']:.2f} "
-        "(target ≤ 1.25: flat).",
+        f"({sizes['S'] / 2**20:.1f} MiB of text in {results['rss_corpus_files']} files), {rss['4S']:.0f} MiB for 4S "
+        f"({sizes['4S'] / 2**20:.1f} MiB: S's documents four times, in four times as many files of the same size); "
+        f"4S / S = {results['rss_ratio']:.2f} (target ≤ 1.25: flat). Within one unit memory is bounded but not "
+        f"flat: S in one file {rss['S, one file']:.0f} MiB, 4S in one file {rss['4S, one file']:.0f} MiB "
+        f"({results['rss_unit_ratio']:.2f}×); units are at most 256 MiB of input, so a larger corpus only adds units. "
+        f"Documents are encoded in batches of at most {results['batch_bytes'] / 2**20:.0f} MiB of text.",
     ]
     return docs_block.block(
         "prepare_throughput", docs_block.run_arguments(sys.argv[1:]), machine_line(smoke), [table], notes

@@ -1,8 +1,11 @@
 """A ~1B-parameter Full-Bandwidth Transformer, sized like the paper's 1B model.
 
 Training it needs an accelerator pod; on a CPU it only builds (abstractly) and validates. The
-data section still points at the built-in task: a real run overrides `data.*` with a text corpus
-and sets `model.vocab_size` to the tokenizer's.
+data section still points at the built-in task: a real run points it at a dataset prepared by
+fbt-prepare with `seq_len` 2048 (docs/data.md, "A real run"):
+    --config.data.source=text --config.data.path=gs://bucket/prepared/web-2048
+and the run takes the dataset's tokenizer; `model.vocab_size` must cover its ids (a larger
+tokenizer than cl100k's, e.g. Llama 3's 128,256 ids, needs --config.model.vocab_size=128256).
 """
 
 from fbt_jax.config import default_config

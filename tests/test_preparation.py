@@ -47,10 +47,13 @@ def write_mixed_corpus(directory, num_files=9, docs_per_file=40, seed=0, words=4
 
 
 def tree(directory):
+    """Every file of a prepared dataset with its bytes (a draft that a kill left in .staging, which
+    the final step clears once it is a minute old, is not part of the dataset)."""
     return {
         os.path.relpath(os.path.join(root, name), directory): open(os.path.join(root, name), "rb").read()
         for root, _, names in os.walk(directory)
         for name in names
+        if ".staging" not in os.path.relpath(root, directory).split(os.sep)
     }
 
 

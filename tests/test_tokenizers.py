@@ -37,19 +37,9 @@ def test_a_missing_model_file_names_the_flag(tmp_path):
 
 
 def test_sentencepiece_tokenizer_by_path(tmp_path, corpus):
-    import sentencepiece
-
-    corpus, _ = corpus
-    sentencepiece.SentencePieceTrainer.train(
-        input=str(corpus / "doc0.txt"),
-        model_prefix=str(tmp_path / "sp"),
-        vocab_size=40,
-        character_coverage=1.0,
-        model_type="bpe",
-        minloglevel=2,
-    )
-    config = text_config(tmp_path, f"{corpus}/*")
-    config.data.tokenizer = str(tmp_path / "sp.model")
+    model = train_sentencepiece(tmp_path, corpus)
+    config = text_config(tmp_path, f"{corpus[0]}/*")
+    config.data.tokenizer = model
     config.model.vocab_size = 32
     from fbt_jax.data.pipeline import make_source
     from fbt_jax.train.trainer import Trainer

@@ -29,8 +29,8 @@ from fbt_jax.data.shards import assign_units
 from fbt_jax.errors import ConfigError
 
 # Documents are encoded in batches of at most this many documents or bytes (memory stays flat).
-BATCH_DOCUMENTS = 512
-BATCH_BYTES = 4 << 20
+BATCH_DOCUMENTS = 256
+BATCH_BYTES = 1 << 20
 # What must agree between the plan, every unit and the manifest (one tokenizer, one length, …).
 SETTINGS = ("tokenizer_identity", "seq_len", "validation_fraction", "text_key")
 
@@ -232,7 +232,8 @@ def prepare_shard(
         return store.read_json(store.join(output, "meta.json"))
     unit_bytes = [sum(plan["inputs"][i][1] for i in files) for files in plan["units"]]
     mine = assign_units(unit_bytes, num_shards)[shard_index]
-    todo = [unit for unit in mine if unit_done(output, unit) is None]
+    recorded = set(store.listdir(store.join(output, "progress")))  # one listing, not a request per unit
+    todo = [unit for unit in mine if f"{unit_name(unit)}.json" not in recorded or unit_done(output, unit) is None]
     if len(todo) < len(mine):
         log(f"shard {shard_index} of {num_shards}: {len(mine) - len(todo)} of {len(mine)} units already prepared")
     from tqdm import tqdm
@@ -313,5 +314,21 @@ def finish(plan: dict[str, Any], output: str) -> dict[str, Any] | None:
     }
     store.write_json(store.join(output, "meta.json"), meta, staging_dir(output))
     if not paths.is_url(output):
-        shutil.rmtree(staging_dir(output), ignore_errors=True)
+        _clear_staging(staging_dir(output))
     return meta
+
+
+def _clear_staging(staging: str) -> None:
+    """Remove the drafts that killed runs left behind: every unit is complete, so no one drafts a
+    unit any more; a JSON draft is left alone for a minute (another shard may be writing this very
+    manifest), and the directory goes once it is empty."""
+    for name in os.listdir(staging) if os.path.isdir(staging) else ():
+        path = os.path.join(staging, name)
+        if name.startswith("unit-"):
+            shutil.rmtree(path, ignore_errors=True)
+        elif time.time() - os.path.getmtime(path) > 60:
+            os.remove(path)
+    try:
+        os.rmdir(staging)
+    except OSError:
+        pass  # a draft of another shard's, still being written: it renames it away itself
