@@ -7,11 +7,12 @@ import os
 import random
 import re
 import signal
+import subprocess
 import time
 
 import numpy as np
 import pytest
-from conftest import WORDS, run_command, start_command
+from conftest import WORDS, run_command, start_command, wait_for
 
 from fbt_jax.data import records
 from fbt_jax.data.documents import is_validation
@@ -166,6 +167,23 @@ def test_a_killed_preparation_resumes_to_the_same_dataset(tmp_path, bpe_tokenize
             result = run_command(a)
             assert result.returncode == 0, result.stderr[-2000:]
         assert tree(out) == tree(reference), attempt
+
+
+def test_sigterm_stops_a_preparation_with_exit_75_and_the_same_command_finishes_it(tmp_path, mixed_corpus):
+    corpus, _ = mixed_corpus
+    out = str(tmp_path / "out")
+    argv = ["fbt-prepare", *prepare_args(corpus, out), "--workers=2"]
+    proc = start_command(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for(lambda: os.path.exists(os.path.join(out, "prepare.json")), timeout=60)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    if proc.returncode == 0:
+        pytest.skip("the preparation finished before SIGTERM arrived")
+    assert proc.returncode == 75 and err.strip().splitlines()[-1].startswith("fbt-prepare: preempted: "), err
+    assert run_command(argv).returncode == 0
+    reference = str(tmp_path / "reference")
+    fbt_prepare(prepare_args(corpus, reference))
+    assert tree(out) == tree(reference)
 
 
 def test_the_loader_reads_a_sharded_dataset_as_one_set_of_records(mixed_corpus, tmp_path):

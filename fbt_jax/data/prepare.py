@@ -10,11 +10,17 @@ data is never overwritten (`preparation.py` has how, `records.py` the format).
 
 from __future__ import annotations
 
+import signal
+
 from fbt_jax import paths
 from fbt_jax.data.documents import text_plan, tfds_plan
 from fbt_jax.data.preparation import prepare_shard, progress_path
 from fbt_jax.data.shards import shard_from_env
-from fbt_jax.errors import ArgumentParser, ConfigError, reported
+from fbt_jax.errors import ArgumentParser, ConfigError, Preempted, reported
+
+
+def _preempted(signum: int, frame: object) -> None:
+    raise Preempted("fbt-prepare stopped on SIGTERM; run the same command again to prepare the missing units")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,6 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tfds-splits", default="train,validation", help="TFDS splits used as train,validation")
     with reported("fbt-prepare"):
         args = parser.parse_args(argv)
+        signal.signal(signal.SIGTERM, _preempted)  # a scheduler's stop: exit 75, the same command resumes
         output = paths.resolve(args.output, "--output")
         paths.check_reachable(output, "--output")
         paths.check_output_dir(output, "--output")
