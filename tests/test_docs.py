@@ -89,7 +89,7 @@ RUNS = [
     ),
     (
         "docs/data.md",
-        "fbt-eval --checkpoint=runs/text --output=runs/text/eval --max-depth=8 --batch-size=8",
+        "fbt-eval --checkpoint=runs/text --output=runs/text/eval --max-depth=4 --batch-size=4",
         "",
         "    soft | …",
     ),
