@@ -207,15 +207,15 @@ def main() -> None:
     path = common.plot_path(args, NAME)
     plot(groups, best_k, path)
     meta = json.loads(pathlib.Path(data_path, "meta.json").read_text(encoding="utf-8"))
-    files = meta["source"]["files"]
+    source = meta["source"]  # the plan's summary: the glob, how many files, how many bytes
     n_tokens = groups[plain_name(1.0)][0]["tokens"]
     body = [
         f"Written by `python experiments/{NAME}.py --write-docs docs/results.md`. Machine: {common.machine()}; "
         f"its {len(rows)} runs took {common.sweep_minutes(os.path.join(directory, 'sweep')):.0f} min of job time "
         f"(`fbt-sweep --parallel=2`, two jobs at a time, compiles included); this invocation {timer.minutes():.1f} min.",
         "",
-        f"Corpus: the {len(files)} top-level modules (`*.py`) of this interpreter's standard library "
-        f"(`{os.path.dirname(files[0][0])}`), {sum(size for _, size, _ in files):,} bytes; byte tokens (vocabulary "
+        f"Corpus: the {source['files']} top-level modules (`*.py`) of this interpreter's standard library "
+        f"(`{os.path.dirname(source['spec'])}`), {source['bytes']:,} bytes; byte tokens (vocabulary "
         f"257) packed into 128-token records. A hash of each file's text holds out 10%: "
         f"{meta['tokens']['train']:,} training tokens ({meta['documents']['train']} files), "
         f"{meta['tokens']['validation']:,} validation tokens ({meta['documents']['validation']} files).",
