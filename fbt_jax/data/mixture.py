@@ -134,7 +134,8 @@ class Mixture:
 def check_compatible(names: list[str], metas: list[dict[str, Any]], flag: str = "data.mixture") -> None:
     """One tokenizer and one seq_len across the datasets of a mixture."""
     for key in ("seq_len", "tokenizer_identity"):
-        values = {name: meta.get(key, meta.get("tokenizer")) for name, meta in zip(names, metas)}
+        # Data of the first format records no identity: its tokenizer's name stands in.
+        values = {name: meta.get(key) or meta.get("tokenizer") for name, meta in zip(names, metas)}
         if len(set(values.values())) > 1:
             raise ConfigError(
                 f"{flag}: the datasets differ in {key} ({values}); prepare them with the same tokenizer and --seq-len"

@@ -179,15 +179,11 @@ class PackedRecords:
                 count = len(self._records)
                 # A cheap integrity check (reading every record would cost an epoch): the count that
                 # fbt-prepare recorded, and the first and last records of each file, whole and of the right size.
-                starts = np.cumsum([0] + [(entry or {}).get("records", 0) for _, entry in files])
-                probe = (
-                    {0, count - 1}
-                    | {int(s) for s in starts[1:-1] if 0 < s < count}
-                    | {int(s) - 1 for s in starts[1:-1] if 0 < s <= count}
-                )
-                for index in sorted(probe) if count else ():
-                    if len(self._records[index]) != 2 * (self.seq_len + 1) * 4:
-                        raise ValueError(f"record {index} has {len(self._records[index])} bytes")
+                starts = self._records.starts  # where each file's records begin, as its reader counts them
+                probe = sorted({int(i) for s, e in zip(starts[:-1], starts[1:]) if e > s for i in (s, e - 1)})
+                for index, record in zip(probe, self._records.__getitems__(probe)):
+                    if len(record) != 2 * (self.seq_len + 1) * 4:
+                        raise ValueError(f"record {index} has {len(record)} bytes")
             except Exception as err:  # the reader raises assorted types for unreadable or corrupt files
                 raise ConfigError(
                     f"the prepared records {self.path} cannot be read ({describe(err)}); prepare the data again with fbt-prepare"
