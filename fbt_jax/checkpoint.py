@@ -24,6 +24,7 @@ from etils import epath
 
 from fbt_jax import paths
 from fbt_jax.errors import CheckpointError, ConfigError, describe
+from fbt_jax.model import ModelConfig
 
 # Fields of `model` that change how the model is computed, not its parameters: they may differ
 # between a checkpoint and the run that restores it.
@@ -216,7 +217,11 @@ def check_compatible(
 ) -> None:
     """ConfigError unless the checkpoint's model (and, given `layout`, its whole train state
     including the optimizer's) matches the current config: such a checkpoint is not damaged."""
-    saved, current = meta.get("model", {}), model_signature(config)
+    # Fields added to the model since the checkpoint was written take their defaults, which is
+    # what that checkpoint's model computed.
+    saved = {**dataclasses.asdict(ModelConfig()), **meta.get("model", {})}
+    saved = {k: v for k, v in saved.items() if k not in RUNTIME_ONLY_MODEL_FIELDS}
+    current = model_signature(config)
     differences = [
         f"model.{k}: checkpoint {saved.get(k)!r}, config {current.get(k)!r}"
         for k in sorted(set(saved) | set(current))

@@ -113,6 +113,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.checkpoint.allow_resume_changes = False  # resume although the data, schedule, seed or batch changed
     c.init_from = ""  # a run (workdir or checkpoint dir) to take initial parameters from
     c.fork_from = ""  # a trunk run whose whole train state this run continues (sweeps)
+    c.hf_config = ""  # the Hugging Face config.json an imported model came with (JSON text; fbt-export starts from it)
 
     c.dry_run = False
     c.dry_run_devices = 0  # >0: simulate this many CPU devices for the dry run (a pod-sized mesh)

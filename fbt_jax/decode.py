@@ -64,7 +64,7 @@ def prefill(
     """Run the (right-padded) prompts and fill a cache of `cache_len` positions."""
     cfg = model.cfg
     B, P = prompts_BP.shape
-    shape = (cfg.num_layers, B, cache_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, B, cache_len, cfg.num_kv_heads, cfg.head_size)
     cache_L = (jnp.zeros(shape, model.compute_dtype), jnp.zeros(shape, model.compute_dtype))
     # Fused mode: the prompt's inputs come from prefill_passes − 1 feedback passes, fully fused
     # from position 1; the last pass runs through the cache.

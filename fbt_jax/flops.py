@@ -17,7 +17,7 @@ from fbt_jax.model import ModelConfig
 
 def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
     """Forward matmul FLOPs per token of one plain pass, by part, plus the fusion's cost."""
-    D, F, V, H = cfg.embed_dim, cfg.mlp_dim, cfg.vocab_size, cfg.head_dim
+    D, F, V, H = cfg.embed_dim, cfg.mlp_dim, cfg.vocab_size, cfg.head_size
     N, K, L = cfg.num_heads, cfg.num_kv_heads, cfg.num_layers
     return {
         "attention_projections": L * 2 * D * H * (2 * N + 2 * K),

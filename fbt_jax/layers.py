@@ -12,6 +12,7 @@ H head dim, F MLP hidden width, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -67,21 +68,58 @@ def default_positions(shape_BT: tuple[int, ...]) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(shape_BT[1], dtype=jnp.int32), shape_BT)
 
 
-def attention_mask(positions_BT: jax.Array, segment_ids_BT: jax.Array | None) -> jax.Array:
-    """Causal mask (B, 1, T, T): query t sees key s iff s ≤ t (and both share a segment)."""
+def attention_mask(positions_BT: jax.Array, segment_ids_BT: jax.Array | None, window: int = 0) -> jax.Array:
+    """Causal mask (B, 1, T, T): query t sees key s iff s ≤ t (and both share a segment, and
+    t − s < window when a sliding window is set)."""
     T = positions_BT.shape[1]
     mask_TT = jnp.tril(jnp.ones((T, T), bool))
     mask_BTT = jnp.broadcast_to(mask_TT, (positions_BT.shape[0], T, T))
     if segment_ids_BT is not None:
         mask_BTT = mask_BTT & (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
+    if window:
+        mask_BTT = mask_BTT & (positions_BT[:, :, None] - positions_BT[:, None, :] < window)
     return mask_BTT[:, None]
 
 
-def rotary(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+ROPE_SCALINGS = ("none", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """Rotary frequencies: base `theta`, optionally rescaled for a longer context. `linear`
+    divides every frequency by `factor`; `llama3` divides only the low frequencies (wavelength
+    above original_max_positions / low_freq_factor), keeps the high ones (below
+    original_max_positions / high_freq_factor) and interpolates smoothly in between."""
+
+    theta: float = 10_000.0
+    scaling: str = "none"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int = 8192
+
+    def frequencies(self, head_dim: int, dtype: Any) -> jax.Array:
+        half = head_dim // 2
+        freq_H = self.theta ** (-jnp.arange(half, dtype=dtype) / half)
+        if self.scaling == "linear":
+            return freq_H / self.factor
+        if self.scaling == "llama3":
+            wavelength_H = 2 * jnp.pi / freq_H
+            # 0 at the low-frequency end (fully divided), 1 at the high end (kept).
+            smooth_H = (self.original_max_positions / wavelength_H - self.low_freq_factor) / (
+                self.high_freq_factor - self.low_freq_factor
+            )
+            blended_H = (1 - smooth_H) * freq_H / self.factor + smooth_H * freq_H
+            low = wavelength_H > self.original_max_positions / self.low_freq_factor
+            high = wavelength_H < self.original_max_positions / self.high_freq_factor
+            return jnp.where(low, freq_H / self.factor, jnp.where(high, freq_H, blended_H))
+        return freq_H
+
+
+def rotary(x_BTNH: jax.Array, positions_BT: jax.Array, rope: Rope) -> jax.Array:
     """Rotary position embedding (split-half form), computed in at least fp32."""
     acc = at_least_f32(x_BTNH.dtype)
-    half = x_BTNH.shape[-1] // 2
-    freq_H = theta ** (-jnp.arange(half, dtype=acc) / half)
+    freq_H = rope.frequencies(x_BTNH.shape[-1], acc)
     angle_BTH = positions_BT[..., None].astype(acc) * freq_H
     sin, cos = jnp.sin(angle_BTH)[:, :, None, :], jnp.cos(angle_BTH)[:, :, None, :]
     x1, x2 = jnp.split(x_BTNH.astype(acc), 2, axis=-1)
@@ -103,27 +141,33 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    """Multi-head causal attention with grouped kv heads (num_kv_heads divides num_heads)."""
+    """Multi-head causal attention with grouped kv heads (num_kv_heads divides num_heads), optional
+    q/k/v biases (Qwen2) and an optional sliding window (Mistral; applied by the caller's mask)."""
 
     def __init__(
         self,
         embed_dim: int,
-        num_heads: int,
-        num_kv_heads: int,
-        rope_theta: float,
+        shape_NGH: tuple[int, int, int],
+        rope: Rope,
         param_dtype: Any,
         out_std: float,
         rngs: nnx.Rngs,
         impl: str = "einsum",
+        qkv_bias: bool = False,
     ):
-        D, N, G, H = embed_dim, num_heads, num_kv_heads, embed_dim // num_heads
+        D, (N, G, H) = embed_dim, shape_NGH
         in_std = D**-0.5
         self.q_DNH = param(normal(rngs, (D, N, H), in_std, param_dtype), (AXIS_EMBED, AXIS_HEADS, AXIS_HEAD_DIM))
         self.k_DGH = param(normal(rngs, (D, G, H), in_std, param_dtype), (AXIS_EMBED, AXIS_KV_HEADS, AXIS_HEAD_DIM))
         self.v_DGH = param(normal(rngs, (D, G, H), in_std, param_dtype), (AXIS_EMBED, AXIS_KV_HEADS, AXIS_HEAD_DIM))
         self.o_NHD = param(normal(rngs, (N, H, D), out_std, param_dtype), (AXIS_HEADS, AXIS_HEAD_DIM, AXIS_EMBED))
+        if qkv_bias:
+            self.q_bias_NH = param(jnp.zeros((N, H), param_dtype), (AXIS_HEADS, AXIS_HEAD_DIM))
+            self.k_bias_GH = param(jnp.zeros((G, H), param_dtype), (AXIS_KV_HEADS, AXIS_HEAD_DIM))
+            self.v_bias_GH = param(jnp.zeros((G, H), param_dtype), (AXIS_KV_HEADS, AXIS_HEAD_DIM))
+        self.qkv_bias = qkv_bias
         self.num_kv_heads = G
-        self.rope_theta = rope_theta
+        self.rope = rope
         self.impl = impl
 
     def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, mask_B1TT: jax.Array) -> jax.Array:
@@ -150,7 +194,11 @@ class Attention(nnx.Module):
         q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.q_DNH[...].astype(cd))
         k_BTGH = jnp.einsum("btd,dgh->btgh", x_BTD, self.k_DGH[...].astype(cd))
         v_BTGH = jnp.einsum("btd,dgh->btgh", x_BTD, self.v_DGH[...].astype(cd))
-        return rotary(q_BTNH, positions_BT, self.rope_theta), rotary(k_BTGH, positions_BT, self.rope_theta), v_BTGH
+        if self.qkv_bias:
+            q_BTNH = q_BTNH + self.q_bias_NH[...].astype(cd)
+            k_BTGH = k_BTGH + self.k_bias_GH[...].astype(cd)
+            v_BTGH = v_BTGH + self.v_bias_GH[...].astype(cd)
+        return rotary(q_BTNH, positions_BT, self.rope), rotary(k_BTGH, positions_BT, self.rope), v_BTGH
 
     def _attend(self, q_BTNH: jax.Array, k_BSGH: jax.Array, v_BSGH: jax.Array, mask_B1TS: jax.Array) -> jax.Array:
         cd = q_BTNH.dtype

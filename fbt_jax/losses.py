@@ -65,7 +65,7 @@ def readout_sums(
     (`jax.checkpoint`) instead of being stored, so the readout holds (B, chunk, V) at a time.
     The batch axis stays whole, so a batch-sharded h is never resharded.
     """
-    embedding_VD = model.embedding_VD[...].astype(h_BTD.dtype)
+    embedding_VD = model.readout_table().astype(h_BTD.dtype)
     scale = model.readout_scale()
 
     def chunk_sums(h_BCD: jax.Array, targets_BC: jax.Array, weights_BC: jax.Array) -> dict[str, jax.Array]:

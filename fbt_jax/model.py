@@ -31,8 +31,10 @@ from fbt_jax.layers import (
     FUSIONS,
     Attention,
     Fusion,
+    ROPE_SCALINGS,
     KVCache,
     RMSNorm,
+    Rope,
     SwiGLU,
     at_least_f32,
     attention_mask,
@@ -64,7 +66,16 @@ class ModelConfig:
     num_heads: int = 4
     num_kv_heads: int = 4  # grouped-query attention when smaller than num_heads (must divide it)
     mlp_dim: int = 256
+    head_dim: int = 0  # 0: embed_dim // num_heads; imported models may set another (heads × head_dim ≠ embed_dim)
     rope_theta: float = 10_000.0
+    rope_scaling: str = "none"  # none | linear | llama3 (layers.Rope): a context extended after pretraining
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3 only
+    rope_high_freq_factor: float = 4.0  # llama3 only
+    rope_original_max_positions: int = 8192  # llama3 only: the context before the extension
+    sliding_window: int = 0  # >0: query t attends to keys s with t − s < sliding_window (Mistral)
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
+    tie_embeddings: bool = True  # False: a separate readout table (TinyLlama, Mistral)
     norm_eps: float = 1e-6
     fusion: str = "glu"  # glu | add (an ablation)
     param_dtype: str = "float32"
@@ -76,8 +87,20 @@ class ModelConfig:
     loss_chunk_size: int = 0  # >0: readout + cross-entropy over chunks of this many positions (memory)
 
     @property
-    def head_dim(self) -> int:
-        return self.embed_dim // self.num_heads
+    def head_size(self) -> int:
+        """The width of one attention head: `head_dim`, or embed_dim / num_heads when it is 0."""
+        return self.head_dim or self.embed_dim // self.num_heads
+
+    @property
+    def rope(self) -> Rope:
+        return Rope(
+            self.rope_theta,
+            self.rope_scaling,
+            self.rope_scaling_factor,
+            self.rope_low_freq_factor,
+            self.rope_high_freq_factor,
+            self.rope_original_max_positions,
+        )
 
     @classmethod
     def from_config(cls, model_cfg: Any) -> ModelConfig:
@@ -93,10 +116,13 @@ class ModelConfig:
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
             value = getattr(self, name)
             require(isinstance(value, int) and value >= 1, f"model.{name}={value!r} must be a positive integer")
+        for name in ("head_dim", "sliding_window"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value >= 0, f"model.{name}={value!r} must be a non-negative integer")
         require(
-            self.embed_dim % self.num_heads == 0,
+            self.head_dim > 0 or self.embed_dim % self.num_heads == 0,
             f"model.num_heads={self.num_heads} does not divide model.embed_dim={self.embed_dim}; "
-            "choose heads so that embed_dim % num_heads == 0",
+            "choose heads so that embed_dim % num_heads == 0, or set model.head_dim",
         )
         require(
             self.num_heads % self.num_kv_heads == 0,
@@ -104,8 +130,16 @@ class ModelConfig:
             "grouped attention needs num_heads % num_kv_heads == 0",
         )
         require(
-            (self.embed_dim // self.num_heads) % 2 == 0,
-            f"head dim embed_dim/num_heads={self.embed_dim // self.num_heads} is odd; rotary positions need an even head dim",
+            self.head_size % 2 == 0, f"head dim {self.head_size} is odd; rotary positions need an even head dim"
+        )
+        require(
+            self.rope_scaling in ROPE_SCALINGS,
+            f"model.rope_scaling={self.rope_scaling!r} is unknown; use one of {ROPE_SCALINGS}",
+        )
+        require(self.rope_scaling_factor > 0, f"model.rope_scaling_factor={self.rope_scaling_factor} must be positive")
+        require(
+            self.rope_scaling != "llama3" or self.rope_high_freq_factor > self.rope_low_freq_factor,
+            "model.rope_high_freq_factor must exceed model.rope_low_freq_factor for llama3 rotary scaling",
         )
         require(self.fusion in FUSIONS, f"model.fusion={self.fusion!r} is unknown; use one of {FUSIONS}")
         for name in ("param_dtype", "compute_dtype"):
@@ -136,8 +170,9 @@ class Block(nnx.Module):
         out_std = cfg.embed_dim**-0.5 / math.sqrt(2 * cfg.num_layers)
         pdt = jnp.dtype(cfg.param_dtype)
         self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pdt)
+        shape_NGH = (cfg.num_heads, cfg.num_kv_heads, cfg.head_size)
         self.attn = Attention(
-            cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rope_theta, pdt, out_std, rngs, cfg.attention_impl
+            cfg.embed_dim, shape_NGH, cfg.rope, pdt, out_std, rngs, cfg.attention_impl, cfg.qkv_bias
         )
         self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pdt)
         self.mlp = SwiGLU(cfg.embed_dim, cfg.mlp_dim, pdt, out_std, rngs)
@@ -165,6 +200,8 @@ class FBTransformer(nnx.Module):
         # Unit-variance embeddings: e_t has per-feature RMS ≈ 1, the same scale as the
         # final-normed state h that is fed back, so plain and fused inputs live in one space.
         self.embedding_VD = param(normal(rngs, (cfg.vocab_size, cfg.embed_dim), 1.0, pdt), (AXIS_VOCAB, AXIS_EMBED))
+        if not cfg.tie_embeddings:
+            self.readout_VD = param(normal(rngs, (cfg.vocab_size, cfg.embed_dim), 1.0, pdt), (AXIS_VOCAB, AXIS_EMBED))
         if cfg.scan_layers:
             # One Block whose parameters have a leading `layers` axis, applied with a scan: the
             # compiled program holds one block body, so compile time stays flat in depth.
@@ -198,7 +235,7 @@ class FBTransformer(nnx.Module):
         """H = F(U): the L blocks and the final norm. Returns the top states h (compute dtype)."""
         if positions_BT is None:
             positions_BT = default_positions(u_BTD.shape[:2])
-        mask_B1TT = attention_mask(positions_BT, segment_ids_BT)
+        mask_B1TT = attention_mask(positions_BT, segment_ids_BT, self.cfg.sliding_window)
         x_BTD = self._constrain(u_BTD.astype(self.compute_dtype))
         policy = REMAT_POLICIES[self.cfg.remat]
         apply = _apply_block if self.cfg.remat == "none" else nnx.remat(_apply_block, policy=policy)
@@ -223,7 +260,11 @@ class FBTransformer(nnx.Module):
         """
         T, S = u_BTD.shape[1], cache_L[0].shape[2]
         positions_BT = write_index_B[:, None] + jnp.arange(T, dtype=jnp.int32)
-        mask_B1TS = (jnp.arange(S)[None, None, :] <= positions_BT[:, :, None])[:, None]
+        offset_BTS = positions_BT[:, :, None] - jnp.arange(S)[None, None, :]
+        mask_BTS = offset_BTS >= 0
+        if self.cfg.sliding_window:
+            mask_BTS = mask_BTS & (offset_BTS < self.cfg.sliding_window)
+        mask_B1TS = mask_BTS[:, None]
         x_BTD = u_BTD.astype(self.compute_dtype)
         if self.cfg.scan_layers:
 
@@ -246,12 +287,16 @@ class FBTransformer(nnx.Module):
             return x_BTD
         return jax.lax.with_sharding_constraint(x_BTD, self.layout.activations)
 
+    def readout_table(self) -> jax.Array:
+        """The readout's (V, D) table: the embedding when tied, else its own."""
+        return self.embedding_VD[...] if self.cfg.tie_embeddings else self.readout_VD[...]
+
     def logits(self, h_BTD: jax.Array) -> jax.Array:
-        """Tied readout h · Eᵀ in (at least) fp32, optionally scaled by 1/√D since ‖h‖ ≈ √D."""
+        """Readout h · Eᵀ (E tied or not) in (at least) fp32, optionally scaled by 1/√D since ‖h‖ ≈ √D."""
         logits_BTV = jnp.einsum(
             "btd,vd->btv",
             h_BTD,
-            self.embedding_VD[...].astype(h_BTD.dtype),
+            self.readout_table().astype(h_BTD.dtype),
             preferred_element_type=at_least_f32(h_BTD.dtype),
         )
         if self.cfg.scale_logits:

@@ -42,6 +42,9 @@ class Readout:
     cfg = types.SimpleNamespace(loss_chunk_size=0)
     embedding_VD = jnp.eye(V)
 
+    def readout_table(self):
+        return self.embedding_VD
+
     def readout_scale(self):
         return 1.0
 
