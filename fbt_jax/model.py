@@ -29,9 +29,9 @@ from fbt_jax.layers import (
     AXIS_LAYERS,
     AXIS_VOCAB,
     FUSIONS,
+    ROPE_SCALINGS,
     Attention,
     Fusion,
-    ROPE_SCALINGS,
     KVCache,
     RMSNorm,
     Rope,
@@ -129,9 +129,7 @@ class ModelConfig:
             f"model.num_kv_heads={self.num_kv_heads} does not divide model.num_heads={self.num_heads}; "
             "grouped attention needs num_heads % num_kv_heads == 0",
         )
-        require(
-            self.head_size % 2 == 0, f"head dim {self.head_size} is odd; rotary positions need an even head dim"
-        )
+        require(self.head_size % 2 == 0, f"head dim {self.head_size} is odd; rotary positions need an even head dim")
         require(
             self.rope_scaling in ROPE_SCALINGS,
             f"model.rope_scaling={self.rope_scaling!r} is unknown; use one of {ROPE_SCALINGS}",
@@ -171,9 +169,7 @@ class Block(nnx.Module):
         pdt = jnp.dtype(cfg.param_dtype)
         self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pdt)
         shape_NGH = (cfg.num_heads, cfg.num_kv_heads, cfg.head_size)
-        self.attn = Attention(
-            cfg.embed_dim, shape_NGH, cfg.rope, pdt, out_std, rngs, cfg.attention_impl, cfg.qkv_bias
-        )
+        self.attn = Attention(cfg.embed_dim, shape_NGH, cfg.rope, pdt, out_std, rngs, cfg.attention_impl, cfg.qkv_bias)
         self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pdt)
         self.mlp = SwiGLU(cfg.embed_dim, cfg.mlp_dim, pdt, out_std, rngs)
 

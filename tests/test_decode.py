@@ -140,3 +140,26 @@ def test_bad_requests_give_one_clear_line(model, tokens, kwargs, message):
     with pytest.raises(ConfigError) as err:
         decode.generate(model, prompts, jnp.asarray(LENGTHS), kwargs.pop("max_new_tokens", 4), mode, **kwargs)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_soft_and_standard_decoding_are_exact_for_imported_model_features(tokens):
+    """Sliding window, q/k/v biases, an untied readout, an explicit head dim and Llama 3 rotary
+    scaling (what imported models bring) through the KV cache: the same references hold."""
+    from conftest import small_model_config
+
+    from fbt_jax.model import build_model
+
+    cfg = small_model_config(
+        head_dim=12, qkv_bias=True, sliding_window=4, tie_embeddings=False, scale_logits=False,
+        rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_max_positions=8,
+    )  # fmt: skip
+    model = build_model(cfg, seed=1)
+    for i, block in enumerate(model.blocks):  # biases start at zero: give them values that count
+        for name in ("q_bias_NH", "k_bias_GH", "v_bias_GH"):
+            bias = getattr(block.attn, name)
+            bias.value = jax.random.normal(jax.random.PRNGKey(10 * i + len(name)), bias.value.shape)
+    states, logits = teacher_forced(model, tokens, "soft")
+    fuse_from = jnp.asarray(LENGTHS)
+    assert compare(model, states, logits, sequential_feedback(model, tokens, fuse_from)) <= 1e-4
+    states, logits = teacher_forced(model, tokens, "standard")
+    assert compare(model, states, logits, kpass_forward(model, tokens, jnp.ones(3, jnp.int32), 1)[0]) <= 1e-4

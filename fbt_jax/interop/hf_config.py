@@ -31,7 +31,9 @@ def architecture_of(hf: dict[str, Any], where: str) -> str:
     names = hf.get("architectures") or []
     supported = ", ".join(ARCHITECTURES)
     if len(names) != 1 or names[0] not in ARCHITECTURES:
-        raise Refused(f"{where}: architecture {names or hf.get('model_type')!r} is not supported; fbt-import reads {supported}")
+        raise Refused(
+            f"{where}: architecture {names or hf.get('model_type')!r} is not supported; fbt-import reads {supported}"
+        )
     return names[0]
 
 
@@ -110,21 +112,17 @@ def model_config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
 def export_architecture(cfg: ModelConfig, source: dict[str, Any] | None) -> str:
     """The Hugging Face class of a model: the one it was imported from, else the one that has its
     features; ConfigError when none does."""
-    if source:
-        arch = architecture_of(source, "the run's recorded Hugging Face config")
-    elif cfg.qkv_bias:
-        arch = "Qwen2ForCausalLM"
-    elif cfg.sliding_window:
-        arch = "MistralForCausalLM"
-    else:
-        arch = "LlamaForCausalLM"
-    if cfg.qkv_bias and arch != "Qwen2ForCausalLM" or cfg.sliding_window and arch != "MistralForCausalLM":
-        raise ConfigError(f"this model (qkv_bias={cfg.qkv_bias}, sliding_window={cfg.sliding_window}) has no {arch}")
-    if arch == "Qwen2ForCausalLM" and (cfg.head_dim or cfg.sliding_window):
+    if cfg.qkv_bias and (cfg.sliding_window or cfg.head_dim):
         raise ConfigError(
-            "this model has no Hugging Face counterpart: Qwen2 (the architecture with q/k/v biases) has neither "
-            "an explicit head_dim nor a sliding window on every layer"
+            "this model has no Hugging Face counterpart: q/k/v biases exist only in Qwen2, which has neither a "
+            "sliding window on every layer nor an explicit head_dim; export a model without one of them"
         )
+    wanted = "Qwen2ForCausalLM" if cfg.qkv_bias else "MistralForCausalLM" if cfg.sliding_window else "LlamaForCausalLM"
+    if not source:
+        return wanted
+    arch = architecture_of(source, "the run's recorded Hugging Face config (hf_config)")
+    if wanted != "LlamaForCausalLM" and arch != wanted:
+        raise ConfigError(f"this model needs {wanted} (q/k/v biases or a sliding window), but it came from {arch}")
     return arch
 
 
@@ -155,12 +153,13 @@ def _template(arch: str) -> dict[str, Any]:
 
 
 def hf_config_from_model(
-    cfg: ModelConfig, source: dict[str, Any] | None, dtype: str, token_ids: dict[str, int | None]
+    cfg: ModelConfig, source: dict[str, Any] | None, dtype: str, fresh: dict[str, Any]
 ) -> dict[str, Any]:
     """config.json for `cfg`: the source's own config with every field we model rewritten (so an
-    imported model exports the config it came with), or the architecture's fresh one."""
+    imported model exports the config it came with), or the architecture's fresh one with the
+    fields in `fresh` (token ids, context)."""
     arch = export_architecture(cfg, source)
-    out = dict(source) if source else _template(arch) | token_ids
+    out = dict(source) if source else _template(arch) | fresh
     out |= {
         "architectures": [arch],
         "model_type": ARCHITECTURES[arch],

@@ -41,7 +41,9 @@ class HFDirectory:
     def __init__(self, path: str):
         self.path = path
         if not os.path.isdir(path):
-            raise Refused(f"{path} is not a directory; give a local Hugging Face model directory (config.json + *.safetensors)")
+            raise Refused(
+                f"{path} is not a directory; give a local Hugging Face model directory (config.json + *.safetensors)"
+            )
         if not os.path.isfile(os.path.join(path, CONFIG)):
             raise Refused(f"{path} has no config.json; give a Hugging Face model directory")
         try:
@@ -58,7 +60,11 @@ class HFDirectory:
             handle = self._open(file)
             for name in handle.keys():
                 piece = handle.get_slice(name)
-                self.names[name], self.shapes[name], self.dtypes[name] = file, tuple(piece.get_shape()), piece.get_dtype()
+                self.names[name], self.shapes[name], self.dtypes[name] = (
+                    file,
+                    tuple(piece.get_shape()),
+                    piece.get_dtype(),
+                )
 
     def _weight_files(self) -> list[str]:
         listing = os.listdir(self.path)
@@ -71,13 +77,12 @@ class HFDirectory:
             files = sorted(set(weight_map.values()))
             for file in files:
                 if os.path.basename(file) != file or not os.path.isfile(os.path.join(self.path, file)):
-                    raise Refused(f"{self.path}/{INDEX} names {file!r}, which is not in the directory; download that shard")
+                    raise Refused(
+                        f"{self.path}/{INDEX} names {file!r}, which is not in the directory; download that shard"
+                    )
             return files
         if WEIGHTS in listing:
             return [WEIGHTS]
-        singles = sorted(f for f in listing if f.endswith(".safetensors"))
-        if len(singles) == 1:
-            return singles
         pickled = sorted(f for f in listing if f.endswith(PICKLED_SUFFIXES))
         if pickled:
             raise Refused(
@@ -91,7 +96,9 @@ class HFDirectory:
             try:
                 self._handles[file] = safe_open(os.path.join(self.path, file), framework="numpy")
             except Exception as err:
-                raise Refused(f"{self.path}/{file} is not a readable safetensors file ({err}); re-download it") from None
+                raise Refused(
+                    f"{self.path}/{file} is not a readable safetensors file ({err}); re-download it"
+                ) from None
         return self._handles[file]
 
     def check(self, expected: dict[str, tuple[int, ...]], optional: tuple[str, ...] = ()) -> None:
@@ -152,14 +159,19 @@ def write_weights(
     itemsize = np.dtype(EXPORT_DTYPES[dtype]).itemsize
     sizes = {name: math.prod(shape) * itemsize for name, shape in shapes.items()}
     plan = shard_plan(sizes, max_shard_bytes)
-    files = [WEIGHTS] if len(plan) == 1 else [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
+    files = (
+        [WEIGHTS] if len(plan) == 1 else [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
+    )
     for file, names in zip(files, plan):
         arrays = {name: np.ascontiguousarray(tensor(name).astype(EXPORT_DTYPES[dtype])) for name in names}
         save_file(arrays, os.path.join(out_dir, file), metadata={"format": "pt"})
         del arrays
     if len(files) > 1:
         index = {
-            "metadata": {"total_parameters": sum(math.prod(s) for s in shapes.values()), "total_size": sum(sizes.values())},
+            "metadata": {
+                "total_parameters": sum(math.prod(s) for s in shapes.values()),
+                "total_size": sum(sizes.values()),
+            },
             "weight_map": dict(sorted((name, file) for file, names in zip(files, plan) for name in names)),
         }
         write_json(os.path.join(out_dir, INDEX), index)

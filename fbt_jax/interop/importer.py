@@ -64,7 +64,9 @@ def readout_fusion(
     return state_DD.astype(embedding_VD.dtype), jnp.zeros((D, D), embedding_VD.dtype)
 
 
-def run_config(model: ModelConfig, source: dict[str, Any], out: str, seq_len: int, tokenizer: str) -> ml_collections.ConfigDict:
+def run_config(
+    model: ModelConfig, source: dict[str, Any], out: str, seq_len: int, tokenizer: str
+) -> ml_collections.ConfigDict:
     """The run config an imported model is recorded with: the model, its tokenizer and context."""
     config = default_config()
     config.workdir = out
@@ -113,7 +115,9 @@ def import_model(
     params = _read_params(src, cfg, shardings, sidecar, fusion_init, seed)
     log(f"read {len(tensors.hf_shapes(cfg))} tensors from {hf_dir}")
     _write_run(target, config, params, src, tokenizer_files)
-    log(f"wrote {out}: {sum(math.prod(x.shape) for x in jax.tree.leaves(params)):,} parameters, fusion: {'from ' + SIDECAR_WEIGHTS if sidecar else fusion_init}")
+    log(
+        f"wrote {out}: {sum(math.prod(x.shape) for x in jax.tree.leaves(params)):,} parameters, fusion: {'from ' + SIDECAR_WEIGHTS if sidecar else fusion_init}"
+    )
     return config
 
 
@@ -139,8 +143,9 @@ def _read_params(
     if sidecar:
         side = hf_files.safe_open(os.path.join(src.path, SIDECAR_WEIGHTS), framework="numpy")
         if sidecar.get("final_norm_folded"):  # the norm as trained, before the logit scale was folded in
-            by_path[("final_norm", "scale")] = tensors.TensorMap(("final_norm", "scale"), (tensors.FINAL_NORM_NAME,),
-                                                                (cfg.embed_dim,), (cfg.embed_dim,), (0,))
+            by_path[("final_norm", "scale")] = tensors.TensorMap(
+                ("final_norm", "scale"), (tensors.FINAL_NORM_NAME,), (cfg.embed_dim,), (cfg.embed_dim,), (0,)
+            )
     flat = []
     for path, var in nnx.to_flat_state(shardings):
         spec = var.get_value()  # the parameter's NamedSharding
@@ -148,11 +153,15 @@ def _read_params(
             m = by_path[path]
             getter = side.get_slice if side is not None and m.hf_names[0].startswith("fbt.") else src.get_slice
             shape = m.shape
-            array = jax.make_array_from_callback(shape, spec, lambda idx, m=m, g=getter: m.read_block(g, idx).astype(np.float32))
+            array = jax.make_array_from_callback(
+                shape, spec, lambda idx, m=m, g=getter: m.read_block(g, idx).astype(np.float32)
+            )
         elif side is not None:
             name = tensors.FUSION_NAMES[path]
             array = jax.make_array_from_callback(
-                tuple(side.get_slice(name).get_shape()), spec, lambda idx, n=name: side.get_slice(n)[idx].astype(np.float32)
+                tuple(side.get_slice(name).get_shape()),
+                spec,
+                lambda idx, n=name: side.get_slice(n)[idx].astype(np.float32),
             )
         else:
             array = None  # the fusion, made below from the imported tensors
@@ -163,8 +172,14 @@ def _read_params(
         state_sharding = fusion["state_proj_DD"].get_value()
         if fusion_init == "readout":
             readout = state["readout_VD"] if "readout_VD" in state else state["embedding_VD"]
-            made = jax.jit(readout_fusion, static_argnums=3, out_shardings=(state_sharding, state_sharding))(
-                state["embedding_VD"].get_value(), readout.get_value(), state["final_norm"]["scale"].get_value(), cfg.fusion
+            # Computed replicated, so that every mesh gets the same bits as one device.
+            whole = jax.sharding.NamedSharding(state_sharding.mesh, jax.sharding.PartitionSpec())
+
+            def replicated(*arrays: jax.Array) -> tuple[jax.Array, jax.Array]:
+                return readout_fusion(*(jax.lax.with_sharding_constraint(a, whole) for a in arrays), cfg.fusion)
+
+            made = jax.jit(replicated, out_shardings=(state_sharding,) * 2)(
+                state["embedding_VD"].get_value(), readout.get_value(), state["final_norm"]["scale"].get_value()
             )
             values = {"state_proj_DD": made[0], "gate_proj_DD": made[1]}
         else:
@@ -175,12 +190,19 @@ def _read_params(
     return state
 
 
-def _write_run(target: epath.Path, config: ml_collections.ConfigDict, params: nnx.State, src: hf_files.HFDirectory,
-               tokenizer_files: list[str]) -> None:
+def _write_run(
+    target: epath.Path,
+    config: ml_collections.ConfigDict,
+    params: nnx.State,
+    src: hf_files.HFDirectory,
+    tokenizer_files: list[str],
+) -> None:
     meta = {"step": 0, "model": model_signature(config), "config": json.loads(config.to_json_best_effort())}
     manager = ocp.CheckpointManager(target / "checkpoints", options=ocp.CheckpointManagerOptions(create=True))
     try:
-        manager.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params}), meta=ocp.args.JsonSave(meta)))
+        manager.save(
+            0, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params}), meta=ocp.args.JsonSave(meta))
+        )
         manager.wait_until_finished()
     finally:
         manager.close()
@@ -198,8 +220,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("hf_dir", help="a local Hugging Face model directory (config.json + safetensors)")
     parser.add_argument("out", help="the fbt run directory to create (local or gs://)")
     parser.add_argument("--fusion-init", default="readout", help="readout (default) | random")
-    parser.add_argument("--seq-len", type=int, default=0, help="data.seq_len of the run (default: the model's context, at most 2048)")
-    parser.add_argument("--scan-layers", action="store_true", help="stack the layers (model.scan_layers, for deep models)")
+    parser.add_argument(
+        "--seq-len", type=int, default=0, help="data.seq_len of the run (default: the model's context, at most 2048)"
+    )
+    parser.add_argument(
+        "--scan-layers", action="store_true", help="stack the layers (model.scan_layers, for deep models)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of --fusion-init=random")
     parser.add_argument("--fsdp", type=int, default=1, help="mesh.fsdp: parameters sharded over this many devices")
     parser.add_argument("--tensor", type=int, default=1, help="mesh.tensor")
@@ -218,4 +244,3 @@ def main(argv: list[str] | None = None) -> None:
         paths.check_output_dir(out, "OUT")
         hf_dir = paths.resolve(args.hf_dir, "HF_DIR")
         import_model(hf_dir, out, args.fusion_init, args.seq_len, args.scan_layers, config.mesh, args.seed)
-

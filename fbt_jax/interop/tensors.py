@@ -72,11 +72,11 @@ class TensorMap:
             local += [slice(None), inner]
             axis += 2
         block = np.asarray(tensor[tuple(file_index)])
-        counts = [s.stop - s.start for s in split_index]
-        outer_shape = []
-        for i, (size, s) in enumerate(zip(self.split, split_index)):
-            outer_shape.append(counts[i] if local[i] == slice(None) else size)
-        return block.reshape(outer_shape)[tuple(local)].transpose(self.perm)
+        # Axes read as selected have the selection's length; a head-dim axis was read whole.
+        read_shape = [
+            s.stop - s.start if keep == slice(None) else size for s, keep, size in zip(split_index, local, self.split)
+        ]
+        return block.reshape(read_shape)[tuple(local)].transpose(self.perm)
 
 
 def tensor_maps(cfg: ModelConfig) -> list[TensorMap]:
@@ -122,6 +122,9 @@ def hf_nbytes(cfg: ModelConfig, itemsize: int) -> int:
     return sum(math.prod(shape) for shape in hf_shapes(cfg).values()) * itemsize
 
 
-FUSION_NAMES = {("fusion", "state_proj_DD"): "fbt.fusion.state_proj", ("fusion", "gate_proj_DD"): "fbt.fusion.gate_proj"}
+FUSION_NAMES = {
+    ("fusion", "state_proj_DD"): "fbt.fusion.state_proj",
+    ("fusion", "gate_proj_DD"): "fbt.fusion.gate_proj",
+}
 # The final norm as trained, kept beside an export whose model.norm.weight carries a folded logit scale.
 FINAL_NORM_NAME = "fbt.final_norm.weight"
