@@ -8,12 +8,14 @@ run's files: nothing here moves, renames or writes a checkpoint, whatever fails 
 
 from __future__ import annotations
 
+import gc
 import logging
 import warnings
 from typing import Any
 
 import jax
 import ml_collections
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
@@ -39,6 +41,25 @@ def load_model(path: str, log: Any = print, flag: str = "--checkpoint") -> tuple
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device), abstract)
         params = _restore_params(manager, step, abstract)
         return nnx.merge(graphdef, params), config
+
+    return _newest_that_restores(path, flag, restore, log, "loaded")
+
+
+def load_host_params(path: str, log: Any = print, flag: str = "--checkpoint") -> tuple[dict[tuple, np.ndarray], Any]:
+    """The newest parameters of a run that restore, as host (numpy) arrays by parameter path, with
+    the run's config: what an export reads, without a device copy of the model beside them."""
+
+    def restore(manager: ocp.CheckpointManager, step: int) -> tuple[dict[tuple, np.ndarray], Any]:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        config = config_from_dict(meta["config"])
+        abstract = nnx.split(abstract_model(ModelConfig.from_config(config.model)), nnx.Param)[1]
+        on_host = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), abstract)
+        args = ocp.args.PyTreeRestore(item={"params": abstract}, restore_args={"params": on_host}, partial_restore=True)
+        params = manager.restore(step, args=ocp.args.Composite(state=args))["state"]["params"]
+        flat = {p: v.get_value() for p, v in nnx.to_flat_state(params)}
+        del params
+        gc.collect()  # the restored tree's cycles held every array: the caller frees them one by one
+        return flat, config
 
     return _newest_that_restores(path, flag, restore, log, "loaded")
 

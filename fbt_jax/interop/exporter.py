@@ -22,7 +22,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
 from fbt_jax import paths
 from fbt_jax.errors import ArgumentParser, ConfigError, reported
@@ -46,13 +45,13 @@ def check_out(out: str) -> None:
 
 def export_run(run: str, out: str, dtype: str = "", max_shard_size: str = "5GB", log: Any = print) -> list[str]:
     """Export the newest checkpoint of `run` that restores to `out`; returns the files written."""
-    from fbt_jax.trained import load_model  # orbax and the run's config: only once the arguments are checked
+    from fbt_jax.trained import load_host_params  # orbax and the run's config: only once the arguments are checked
 
     check_out(out)
     max_shard_bytes = _shard_bytes(max_shard_size)
     if dtype and dtype not in hf_files.EXPORT_DTYPES:
         raise ConfigError(f"--dtype={dtype!r} is unknown; use one of {tuple(hf_files.EXPORT_DTYPES)}")
-    model, config = load_model(run, log=log, flag="RUN")
+    flat, config = load_host_params(run, log=log, flag="RUN")
     cfg = ModelConfig.from_config(config.model)
     source = json.loads(config.hf_config) if config.get("hf_config") else None
     dtype = dtype or (source or {}).get("dtype") or (source or {}).get("torch_dtype") or "float32"
@@ -60,8 +59,6 @@ def export_run(run: str, out: str, dtype: str = "", max_shard_size: str = "5GB",
         raise ConfigError(f"the run's Hugging Face config asks for dtype {dtype!r}; choose one with --dtype")
     fresh = {**_token_ids(config), "max_position_embeddings": int(config.data.seq_len)}  # for a run never imported
     hf_config = hf_config_from_model(cfg, source, dtype, fresh)  # ConfigError: no counterpart
-    flat = {path: var.get_value() for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    del model
     folded = cfg.scale_logits
     side = {name: np.asarray(flat.pop(path)) for path, name in tensors.FUSION_NAMES.items() if path in flat}
     if folded:  # fold 1/√D into the final norm: h·Eᵀ/√D = (h/√D)·Eᵀ
@@ -76,11 +73,11 @@ def export_run(run: str, out: str, dtype: str = "", max_shard_size: str = "5GB",
 
     def tensor(name: str) -> np.ndarray:
         m, layer = source_of[name]
-        value = np.asarray(flat[m.path])
+        value = flat[m.path]
         converted = m.to_hf(value[layer] if m.stacked else value)
         remaining[m.path] -= 1
         if not remaining[m.path]:
-            del flat[m.path]  # the last tensor taken from this parameter: free it
+            del flat[m.path]  # the last tensor taken from this parameter: free it once written
         return converted
 
     tmp = f"{out.rstrip('/')}.partial-{os.getpid()}"
@@ -160,5 +157,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     with reported("fbt-export"):
         args = parser.parse_args(argv)
+        hf_files.return_freed_memory()
         jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS") or "cpu")  # one host is enough
         export_run(paths.resolve(args.run, "RUN"), paths.resolve(args.out, "OUT"), args.dtype, args.max_shard_size)

@@ -9,6 +9,7 @@ memory maps, so a process reads only the blocks its devices hold.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -31,6 +32,7 @@ PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 LOADABLE = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16}
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+READ_BYTES = 16 * 2**20  # a tensor is read in pieces of at most this many bytes
 # Tensors some checkpoints carry that the model derives: skipped on import.
 DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -52,19 +54,18 @@ class HFDirectory:
         except (OSError, ValueError) as err:
             raise Refused(f"{path}/config.json is not readable JSON ({err}); fix or replace the file") from None
         self.files = self._weight_files()
-        self._handles: dict[str, Any] = {}
         self.names: dict[str, str] = {}  # tensor name → file
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, str] = {}
         for file in self.files:
-            handle = self._open(file)
-            for name in handle.keys():
-                piece = handle.get_slice(name)
-                self.names[name], self.shapes[name], self.dtypes[name] = (
-                    file,
-                    tuple(piece.get_shape()),
-                    piece.get_dtype(),
-                )
+            try:
+                with safe_open(os.path.join(path, file), framework="numpy") as handle:
+                    for name in handle.keys():
+                        piece = handle.get_slice(name)
+                        self.names[name], self.shapes[name] = file, tuple(piece.get_shape())
+                        self.dtypes[name] = piece.get_dtype()
+            except Exception as err:
+                raise Refused(f"{path}/{file} is not a readable safetensors file ({err}); re-download it") from None
 
     def _weight_files(self) -> list[str]:
         listing = os.listdir(self.path)
@@ -91,16 +92,6 @@ class HFDirectory:
             )
         raise Refused(f"{self.path} has no weights ({WEIGHTS} or {INDEX}); give a complete model directory")
 
-    def _open(self, file: str) -> Any:
-        if file not in self._handles:
-            try:
-                self._handles[file] = safe_open(os.path.join(self.path, file), framework="numpy")
-            except Exception as err:
-                raise Refused(
-                    f"{self.path}/{file} is not a readable safetensors file ({err}); re-download it"
-                ) from None
-        return self._handles[file]
-
     def check(self, expected: dict[str, tuple[int, ...]], optional: tuple[str, ...] = ()) -> None:
         """Refused naming the first missing, extra or misshapen tensor, or one of a dtype we do not load."""
         present = {n for n in self.names if not n.endswith(DERIVED_SUFFIXES)}
@@ -124,13 +115,72 @@ class HFDirectory:
             )
 
     def get_slice(self, name: str) -> Any:
-        return self._open(self.names[name]).get_slice(name)
+        return _Slice(os.path.join(self.path, self.names[name]), name)
 
     def tokenizer_files(self) -> list[str]:
         return [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(self.path, f))]
 
     def has(self, file: str) -> bool:
         return os.path.isfile(os.path.join(self.path, file))
+
+
+class Sidecar:
+    """Tensors of one safetensors file by name (fbt_fusion.safetensors)."""
+
+    def __init__(self, file: str):
+        self.file = file
+
+    def get_slice(self, name: str) -> _Slice:
+        return _Slice(self.file, name)
+
+
+class _Slice:
+    """A tensor's blocks, each read through a memory map opened for that read and closed after:
+    pages of a file that stays mapped count as this process's memory until it exits."""
+
+    def __init__(self, file: str, name: str):
+        self.file, self.name = file, name
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        """The block `index` (basic slices), read in pieces of at most READ_BYTES, each through its
+        own map: the file's pages are resident for one piece at a time, not for the whole tensor."""
+        with safe_open(self.file, framework="numpy") as handle:
+            piece = handle.get_slice(self.name)
+            shape, dtype = piece.get_shape(), LOADABLE.get(piece.get_dtype())
+        index = tuple(index) + (slice(None),) * (len(shape) - len(tuple(index)))
+        rows = range(*index[0].indices(shape[0])) if shape else range(0)
+        row_bytes = math.prod(len(range(*s.indices(n))) for s, n in zip(index[1:], shape[1:])) * 4
+        step = max(1, READ_BYTES // max(row_bytes, 1))
+        if dtype is None or len(rows) <= step:
+            with safe_open(self.file, framework="numpy") as handle:
+                return handle.get_slice(self.name)[index]  # safetensors copies out of the map
+        out = None
+        for start in range(rows.start, rows.stop, step):
+            stop = min(start + step, rows.stop)
+            with safe_open(self.file, framework="numpy") as handle:
+                part = handle.get_slice(self.name)[(slice(start, stop), *index[1:])]
+            if out is None:
+                out = np.empty((len(rows), *part.shape[1:]), part.dtype)
+            out[start - rows.start : stop - rows.start] = part
+        return out
+
+    def get_shape(self) -> list[int]:
+        with safe_open(self.file, framework="numpy") as handle:
+            return handle.get_slice(self.name).get_shape()
+
+
+def return_freed_memory() -> None:
+    """Have glibc hand large freed buffers back to the system at once (nothing to do elsewhere).
+
+    glibc raises its mmap threshold each time a large buffer is freed; buffers of up to 32 MiB
+    then come from the heap and stay resident once freed. Converting a model tensor by tensor
+    left a fifth of the model resident in dead buffers (benchmarks/interop_memory.py)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_mmap_threshold = -3  # mallopt's parameter number, from malloc.h
+    libc.mallopt(m_mmap_threshold, 1 << 20)
 
 
 def shard_plan(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
@@ -163,7 +213,7 @@ def write_weights(
         [WEIGHTS] if len(plan) == 1 else [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
     )
     for file, names in zip(files, plan):
-        arrays = {name: np.ascontiguousarray(tensor(name).astype(EXPORT_DTYPES[dtype])) for name in names}
+        arrays = {name: np.ascontiguousarray(tensor(name).astype(EXPORT_DTYPES[dtype], copy=False)) for name in names}
         save_file(arrays, os.path.join(out_dir, file), metadata={"format": "pt"})
         del arrays
     if len(files) > 1:

@@ -46,6 +46,7 @@ from fbt_jax.model import ModelConfig, abstract_model
 FUSION_INITS = ("readout", "random")
 SIDECAR_CONFIG = "fbt_config.json"
 SIDECAR_WEIGHTS = "fbt_fusion.safetensors"
+CHUNK_BYTES = 16 * 2**20
 
 
 def readout_fusion(
@@ -141,7 +142,7 @@ def _read_params(
     by_path = {m.path: m for m in tensors.tensor_maps(cfg)}
     side = None
     if sidecar:
-        side = hf_files.safe_open(os.path.join(src.path, SIDECAR_WEIGHTS), framework="numpy")
+        side = hf_files.Sidecar(os.path.join(src.path, SIDECAR_WEIGHTS))
         if sidecar.get("final_norm_folded"):  # the norm as trained, before the logit scale was folded in
             by_path[("final_norm", "scale")] = tensors.TensorMap(
                 ("final_norm", "scale"), (tensors.FINAL_NORM_NAME,), (cfg.embed_dim,), (cfg.embed_dim,), (0,)
@@ -154,14 +155,14 @@ def _read_params(
             getter = side.get_slice if side is not None and m.hf_names[0].startswith("fbt.") else src.get_slice
             shape = m.shape
             array = jax.make_array_from_callback(
-                shape, spec, lambda idx, m=m, g=getter: m.read_block(g, idx).astype(np.float32)
+                shape, spec, lambda idx, m=m, g=getter: m.read_block(g, idx).astype(np.float32, copy=False)
             )
         elif side is not None:
             name = tensors.FUSION_NAMES[path]
             array = jax.make_array_from_callback(
                 tuple(side.get_slice(name).get_shape()),
                 spec,
-                lambda idx, n=name: side.get_slice(n)[idx].astype(np.float32),
+                lambda idx, n=name: side.get_slice(n)[idx].astype(np.float32, copy=False),
             )
         else:
             array = None  # the fusion, made below from the imported tensors
@@ -198,10 +199,23 @@ def _write_run(
     tokenizer_files: list[str],
 ) -> None:
     meta = {"step": 0, "model": model_signature(config), "config": json.loads(config.to_json_best_effort())}
-    manager = ocp.CheckpointManager(target / "checkpoints", options=ocp.CheckpointManagerOptions(create=True))
+    # Uncompressed: zstd finds little to take out of trained weights, and its buffers held half
+    # the model again in host memory while saving (benchmarks/interop_memory.py).
+    handler = ocp.PyTreeCheckpointHandler(use_compression=False)
+    # Stored in chunks of at most CHUNK_BYTES, so that reading a large tensor back (an export, a
+    # restore onto one host) never holds a second copy of it whole.
+    chunked = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), params)
+    options = ocp.CheckpointManagerOptions(create=True)
+    manager = ocp.CheckpointManager(
+        target / "checkpoints", options=options, item_handlers={"state": handler, "meta": ocp.JsonCheckpointHandler()}
+    )
     try:
         manager.save(
-            0, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params}), meta=ocp.args.JsonSave(meta))
+            0,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeSave({"params": params}, save_args={"params": chunked}),
+                meta=ocp.args.JsonSave(meta),
+            ),
         )
         manager.wait_until_finished()
     finally:
@@ -234,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--process-id", type=int, default=-1)
     with reported("fbt-import"):
         args = parser.parse_args(argv)
+        hf_files.return_freed_memory()
         config = default_config()
         config.distributed.coordinator_address = args.coordinator_address
         config.distributed.num_processes = args.num_processes
