@@ -119,9 +119,11 @@ def check_same_passes(trunk: dict[str, Any], config: ml_collections.ConfigDict, 
 
 def _restore_params(manager: ocp.CheckpointManager, step: int, abstract_params: Any) -> Any:
     item = {"params": abstract_params}
-    state = manager.restore(
-        step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(item=item, partial_restore=True))
-    )["state"]
+    # Restore arguments from the target's own shardings: the ones saved with the checkpoint name
+    # devices of the job that wrote it (another process count cannot build them).
+    restore_args = ocp.checkpoint_utils.construct_restore_args(item)
+    args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+    state = manager.restore(step, args=ocp.args.Composite(state=args))["state"]
     return state["params"]
 
 

@@ -9,6 +9,10 @@
 # the shard count come from the TPU metadata (TPU_WORKER_ID, TPU_WORKER_HOSTNAMES), e.g.
 #   PROGRAM=fbt-prepare launch/tpu_pod.sh my-v5p-128 us-east5-a --input='gs://b/corpus/*.jsonl.zst' ...
 #
+# PROGRAM=fbt-import runs fbt-import on every host (each reads only the tensor blocks its chips hold;
+# the model directory must be on every host), e.g.
+#   PROGRAM=fbt-import launch/tpu_pod.sh my-v5p-128 us-east5-a ~/Llama-3.2-1B gs://b/runs/llama-1b --fsdp=64
+#
 # --setup first copies this checkout to every worker and installs it (pip install -e .).
 # --dry-run prints the gcloud commands without running them. Environment:
 #   PROJECT        gcloud project (default: gcloud's configured one)
@@ -47,13 +51,13 @@ fi
 
 program=${PROGRAM:-fbt-train}
 case "$program" in
-  fbt-train) worker_env="" ;;
+  fbt-train|fbt-import) worker_env="" ;;
   fbt-prepare)
     # A worker's number and the slice's hosts, from the metadata server (as JAX itself reads them).
     metadata='curl -sf -H Metadata-Flavor:Google http://metadata.google.internal/computeMetadata/v1/instance/attributes'
     worker_env="export TPU_WORKER_ID=\${TPU_WORKER_ID:-\$($metadata/agent-worker-number)} TPU_WORKER_HOSTNAMES=\${TPU_WORKER_HOSTNAMES:-\$($metadata/worker-network-endpoints)} && "
     ;;
-  *) echo "tpu_pod.sh: PROGRAM=$program is not fbt-train or fbt-prepare" >&2; exit 2 ;;
+  *) echo "tpu_pod.sh: PROGRAM=$program is not fbt-train, fbt-import or fbt-prepare" >&2; exit 2 ;;
 esac
 # Unbuffered output so every host's progress shows up; only process 0 prints metrics.
 command="cd $remote_dir && ${worker_env}PYTHONUNBUFFERED=1 ${EXTRA_ENV:-} $program $(printf '%q ' "$@")"

@@ -26,6 +26,7 @@ BENCHMARKS = {
     "dry_run_memory": "device_mib_K3",
     "sweep_cost": "ratio",
     "gpu_check": "checks",
+    "interop_memory": "export",
 }
 # These quote what a command printed (a fenced text block) rather than a table.
 QUOTES_OUTPUT = {"first_run", "dry_run_memory"}

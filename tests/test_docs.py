@@ -137,6 +137,47 @@ RUNS = [
         "gcloud compute tpus tpu-vm ssh my-v5p-128",
     ),
     ("docs/launch.md", "DRY_RUN=1 bash launch/slurm_gpu.sbatch --config=configs/fbt_1b.py", "", "srun"),
+    ("docs/interop.md", "fbt-import tests/interop/reference/llama runs/llama-tiny", "", "wrote "),
+    (
+        "docs/interop.md",
+        "fbt-prepare --input=\"$(python -c 'import os; print(os.path.dirname(os.__file__))')/*.py\" "
+        "--tokenizer=runs/llama-tiny/tokenizer --output=prepared/llama-tiny-64 --seq-len=64 --validation-fraction=0.1",
+        "",
+        "vocab 128",
+    ),
+    (
+        "docs/interop.md",
+        "fbt-train --config=configs/upcycle.py:runs/llama-tiny --config.data.path=prepared/llama-tiny-64   # kill it at any moment …",
+        "--config.train.steps=20 --config.optimizer.warmup_steps=5 --config.eval.every_steps=10 --config.eval.num_batches=1",
+        "initialised parameters from",
+    ),
+    (
+        "docs/interop.md",
+        "fbt-train --config=configs/upcycle.py:runs/llama-tiny --config.data.path=prepared/llama-tiny-64   # … and run it again: it resumes",
+        "--config.train.steps=30 --config.optimizer.warmup_steps=5 --config.eval.every_steps=10 --config.eval.num_batches=1",
+        "resuming from checkpoint",
+    ),
+    *(
+        (
+            "docs/interop.md",
+            f'fbt-decode --checkpoint=runs/llama-tiny-feedback --mode={mode} --prompt="import os" --max-new-tokens=16',
+            "",
+            f'"mode": "{mode}"',
+        )
+        for mode in ("standard", "soft", "fused")
+    ),
+    (
+        "docs/interop.md",
+        "fbt-eval --checkpoint=runs/llama-tiny-feedback --output=runs/llama-tiny-feedback/eval --max-depth=4 --batch-size=4",
+        "",
+        "    soft | …",
+    ),
+    (
+        "docs/interop.md",
+        "fbt-export runs/llama-tiny-feedback runs/llama-tiny-feedback-hf",
+        "",
+        "LlamaForCausalLM in float32",
+    ),
 ]
 # What those commands create in the checkout (kept aside beforehand, removed afterwards).
 CREATED = [
@@ -144,6 +185,10 @@ CREATED = [
     "runs/schedule",
     "runs/text",
     "runs/local2",
+    "runs/llama-tiny",
+    "runs/llama-tiny-feedback",
+    "runs/llama-tiny-feedback-hf",
+    "prepared/llama-tiny-64",
     "runs/sweeps",
     "prepared/stdlib-bpe",
     "prepared/stdlib-128",

@@ -14,6 +14,7 @@ EXPERIMENTS = {
     "depth_stability": "rate, passes 4–7",
     "layer_probes": "| task | trained | K=1 (no feedback) | K=2 (one feedback pass) | exact recurrence | chance |",
     "text_efficiency": "| variant | schedule | tokens | mean K | loss K=1 | loss K=2 | loss K=3 |",
+    "upcycle_split": "| run | loss K=1 | loss K=2 | loss K=3 | accuracy K=1 | accuracy K=2 |",
 }
 RESULTS = os.path.join(ROOT, "docs", "results.md")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -307,3 +308,37 @@ def test_export_refuses_a_non_empty_directory_and_a_model_without_counterpart(im
     llama = json.load(open(os.path.join(ref("llama"), "config.json")))
     with pytest.raises(ConfigError, match="needs MistralForCausalLM"):
         hf_config.export_architecture(ModelConfig(sliding_window=8), llama)
+
+
+def test_two_processes_import_the_same_parameters(imported, tmp_path):
+    """Two processes × 2 devices (fsdp 4), each reading its own devices' blocks, write one
+    checkpoint equal to the single-device import."""
+    import socket
+
+    from conftest import cpu_env, start_command
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "two")
+    procs = [
+        start_command(
+            [
+                "fbt-import",
+                ref("llama"),
+                out,
+                "--fsdp=4",
+                f"--coordinator-address=127.0.0.1:{port}",
+                "--num-processes=2",
+                f"--process-id={i}",
+            ],  # fmt: skip
+            cpu_env(2),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outputs]
+    for (path, x), (_, y) in zip(params(imported["llama"]), params(out)):
+        assert np.array_equal(x, y), path

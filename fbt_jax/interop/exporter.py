@@ -47,6 +47,7 @@ def export_run(run: str, out: str, dtype: str = "", max_shard_size: str = "5GB",
     """Export the newest checkpoint of `run` that restores to `out`; returns the files written."""
     from fbt_jax.trained import load_host_params  # orbax and the run's config: only once the arguments are checked
 
+    run, out = paths.resolve(run, "RUN"), paths.resolve(out, "OUT")
     check_out(out)
     max_shard_bytes = _shard_bytes(max_shard_size)
     if dtype and dtype not in hf_files.EXPORT_DTYPES:

@@ -93,6 +93,7 @@ def import_model(
     """Import `hf_dir` into the run directory `out`; returns the run's config."""
     if fusion_init not in FUSION_INITS:
         raise ConfigError(f"--fusion-init={fusion_init!r} is unknown; use one of {FUSION_INITS}")
+    hf_dir, out = paths.resolve(hf_dir, "HF_DIR"), paths.resolve(out, "OUT")
     src = hf_files.HFDirectory(hf_dir)
     cfg = model_config_from_hf(src.config, hf_dir)
     sidecar = _read_sidecar(src, cfg)
