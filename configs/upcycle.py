@@ -22,7 +22,12 @@ def get_config(imported: str = "") -> ml_collections.ConfigDict:
     c = default_config()
     if not imported:
         raise ValueError("give the imported run: --config=configs/upcycle.py:RUN (a directory fbt-import wrote)")
-    recorded = json.loads((epath.Path(imported) / "config.json").read_text())
+    recorded_path = epath.Path(imported) / "config.json"
+    if not recorded_path.exists():
+        raise ValueError(
+            f"{imported} is not a run directory (no config.json); import the model first: fbt-import HF_DIR {imported}"
+        )
+    recorded = json.loads(recorded_path.read_text())
     c.model.update(recorded["model"])
     c.hf_config = recorded.get("hf_config", "")
     c.init_from = imported

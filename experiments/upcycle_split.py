@@ -3,13 +3,14 @@ imported back and given the last 25% as a feedback phase come as close as the sa
 trained in one run? The optimizer state is lost at the export (Adam's moments start again, with
 a short warmup to the learning rate the one run had at that step, then the same decay).
 
-Per seed, on the S3 word problem (configs/tiny.py, 3000 steps): the one run with the paper's
-schedule (75% K=1, then K=2 88% / K=3 12%), stopped at 75% and exported there; three feedback
-phases of the remaining 25% from that export: imported with its fbt files (the trained fusion
-restored bitwise), and as a plain Hugging Face Llama (as one from the hub) with the fusion
-initialised `readout` or `random`. For those the held-out K=2 loss at the phase's step 0 against
-K=1's shows what each fusion initialisation starts from, and the first eval where K=2 is below K=1
-how fast the phase recovers.
+Per seed, a byte-level language model on this Python's standard library sources (configs/tiny.py's
+D=64 two-layer model, 128-byte records, no logit scale, so that the export is an ordinary Llama):
+the one run with the paper's schedule (75% K=1, then K=2 88% / K=3 12%), stopped at 75% and
+exported there; three feedback phases of the remaining 25% from that export: imported with its
+fbt files (the fusion restored bitwise: still at its initialisation, since K=1 never reaches it),
+and as a plain Hugging Face Llama (as one from the hub) with the fusion initialised `readout` or
+`random`. The held-out K=2 loss at each phase's step 0 against K=1's shows what each fusion
+initialisation starts from, and the first eval where K=2 is below K=1 how fast the phase recovers.
 
     python experiments/upcycle_split.py [--smoke] [--write-docs docs/results.md]
 """
@@ -29,6 +30,12 @@ import common
 NAME = "upcycle_split"
 LATE = "0:2=0.88,3=0.12"  # the paper's late-phase mixture
 ARMS = ("fbt", "readout", "random")  # how the export is imported for the feedback phase
+TEXT = (  # every run: text_efficiency's model and data, no logit scale (nothing to fold at the export)
+    "--config.data.source=text", "--config.data.seq_len=128", "--config.model.vocab_size=257",
+    "--config.model.scale_logits=False", "--config.train.batch_size=16", "--config.train.log_every=25",
+    "--config.optimizer.warmup_steps=30", "--config.eval.batch_size=32", "--config.eval.num_batches=4",
+    "--config.eval.contraction_passes=0",
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,13 +44,13 @@ class Sizes:
     seeds: tuple[int, ...]
     eval_every: int  # the feedback phases'
     warmup: int  # the feedback phases'
-    extra: tuple[str, ...] = ()  # overrides of every run
+    extra: tuple[str, ...] = ()  # overrides of every run (after TEXT)
     arms: tuple[str, ...] = ARMS
 
 
-FULL = Sizes(steps=3000, seeds=(0, 1, 2), eval_every=50, warmup=50)
-SMOKE = Sizes(steps=40, seeds=(0,), eval_every=5, warmup=2, extra=(
-    "--config.optimizer.warmup_steps=4", "--config.eval.num_batches=1", "--config.eval.contraction_every_steps=0"),
+FULL = Sizes(steps=1000, seeds=(0, 1, 2), eval_every=25, warmup=25)
+SMOKE = Sizes(steps=16, seeds=(0,), eval_every=2, warmup=2, extra=(
+    "--config.optimizer.warmup_steps=2", "--config.eval.num_batches=1", "--config.train.batch_size=4"),
     arms=("readout",))  # fmt: skip
 
 
@@ -75,16 +82,16 @@ def tiny_config(overrides: list[str] | tuple[str, ...] = ()) -> Any:
     return config
 
 
-def tail_config(sizes: Sizes, seed: int, imported: str, workdir: str, plain: bool) -> list[str]:
+def tail_config(sizes: Sizes, base: list[str], seed: int, imported: str) -> list[str]:
     """The feedback phase: the one run's last 25% from the imported model, its learning rate taken
     from the one run's schedule at 75%, decaying to the same end value."""
     from fbt_jax.train.step import make_optimizer
 
-    one = tiny_config([*sizes.extra, f"--config.train.steps={sizes.steps}"])
+    one = tiny_config([*base, f"--config.train.steps={sizes.steps}"])
     start_lr = float(make_optimizer(one)[1](sizes.steps * 3 // 4))
     end_lr = one.optimizer.learning_rate * one.optimizer.min_learning_rate_ratio
     overrides = [
-        *sizes.extra,
+        *base,
         f"--config.seed={seed}",
         f"--config.init_from={imported}",
         f"--config.train.steps={sizes.steps // 4}",
@@ -95,8 +102,6 @@ def tail_config(sizes: Sizes, seed: int, imported: str, workdir: str, plain: boo
         f"--config.eval.every_steps={sizes.eval_every}",
         f"--config.checkpoint.every_steps={sizes.steps // 4}",
     ]
-    if plain:  # a plain Llama has no logit scale: the export folded it into the final norm
-        overrides.append("--config.model.scale_logits=False")
     return overrides
 
 
@@ -111,13 +116,30 @@ def step0(overrides: list[str], workdir: str) -> dict[str, float]:
     return trainer.evaluate()
 
 
+def prepare_corpus(root: str) -> str:
+    """The standard library's sources as 128-byte records, prepared once (a rerun reuses them)."""
+    output = os.path.join(root, "prepared")
+    if not os.path.exists(os.path.join(output, "meta.json")):
+        pattern = os.path.join(os.path.dirname(os.__file__), "*.py")
+        command = [
+            "fbt-prepare",
+            f"--input={pattern}",
+            f"--output={output}",
+            "--seq-len=128",
+            "--validation-fraction=0.1",
+        ]
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    return output
+
+
 def run_seed(sizes: Sizes, root: str, seed: int) -> dict[str, Any]:
     from fbt_jax.interop import exporter, importer
 
     quiet = lambda *a: None  # noqa: E731
     base = os.path.join(root, f"seed{seed}")
     one = os.path.join(base, "one")
-    common_args = [*sizes.extra, f"--config.seed={seed}", f"--config.train.steps={sizes.steps}",
+    base_args = [*TEXT, f"--config.data.path={prepare_corpus(root)}", *sizes.extra]
+    common_args = [*base_args, f"--config.seed={seed}", f"--config.train.steps={sizes.steps}",
                    f"--config.checkpoint.every_steps={sizes.steps // 4}", f"--config.eval.every_steps={sizes.steps // 4}"]  # fmt: skip
     train(one, *common_args, f"--config.train.stop_at_step={sizes.steps * 3 // 4}")  # phase 1
     hf, plain = os.path.join(base, "hf"), os.path.join(base, "hf-plain")
@@ -126,8 +148,9 @@ def run_seed(sizes: Sizes, root: str, seed: int) -> dict[str, Any]:
     if not os.path.isdir(plain):  # the same export without the fbt files: an ordinary Llama
         shutil.copytree(hf, plain + ".tmp", ignore=shutil.ignore_patterns("fbt_*"))
         os.rename(plain + ".tmp", plain)
+    boundary = next(row for row in evals(one) if row["step"] == sizes.steps * 3 // 4)
     train(one, *common_args)  # the one run continues to its end
-    out: dict[str, Any] = {"one": evals(one)[-1]}
+    out: dict[str, Any] = {"one": evals(one)[-1], "boundary": boundary}
     for arm in sizes.arms:
         imported = os.path.join(base, f"imported-{arm}")
         if not os.path.isfile(os.path.join(imported, "config.json")):
@@ -136,7 +159,7 @@ def run_seed(sizes: Sizes, root: str, seed: int) -> dict[str, Any]:
                 hf if arm == "fbt" else plain, imported, fusion_init=arm if arm != "fbt" else "readout", log=quiet
             )
         workdir = os.path.join(base, f"tail-{arm}")
-        overrides = tail_config(sizes, seed, imported, workdir, plain=arm != "fbt")
+        overrides = tail_config(sizes, base_args, seed, imported)
         out[f"step0_{arm}"] = step0(overrides, workdir)
         train(workdir, *overrides)
         out[arm] = evals(workdir)
@@ -160,7 +183,8 @@ def main() -> None:
         rows.append([label, *(common.mean_std([f[f"loss_K{k}"] for f in finals]) for k in (1, 2, 3)),
                      *(common.mean_std([f[f"accuracy_K{k}"] for f in finals]) for k in (1, 2))])  # fmt: skip
     table = common.docs_block.table(["run", "loss K=1", "loss K=2", "loss K=3", "accuracy K=1", "accuracy K=2"], rows)
-    start_rows = []
+    start_rows = [["(the one run at that step)", common.mean_std([r["boundary"]["loss_K1"] for r in results]),
+                   common.mean_std([r["boundary"]["loss_K2"] for r in results]), ""]]  # fmt: skip
     for arm in sizes.arms:
         s0 = [r[f"step0_{arm}"] for r in results]
         below = [first_below(r[arm]) for r in results]
@@ -169,8 +193,8 @@ def main() -> None:
     start = common.docs_block.table(
         ["import", "step 0: loss K=1", "step 0: loss K=2", "first eval with K=2 < K=1 (per seed)"], start_rows
     )
-    arm = sizes.arms[0]
-    diffs = [r[arm][-1]["loss_K2"] - r["one"]["loss_K2"] for r in results]
+    first = sizes.arms[0]
+    diffs = [r[first][-1]["loss_K2"] - r["one"]["loss_K2"] for r in results]
     plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for arm, color in zip(sizes.arms, ("C0", "C1", "C2")):
@@ -200,7 +224,7 @@ def main() -> None:
         f"Written by `python experiments/{NAME}.py{' --smoke' if args.smoke else ''}` in {timer.minutes():.1f} min "
         f"on {common.machine()}; seeds {list(sizes.seeds)}, mean ± std.\n\n"
         f"Final held-out loss and accuracy (fully fused from position 1):\n\n{table}\n\n"
-        f"Split minus one run, K=2 loss per seed ({arm} import): {', '.join(f'{d:+.4f}' for d in diffs)}.\n\n"
+        f"Split minus one run, K=2 loss per seed ({first} import): {', '.join(f'{d:+.4f}' for d in diffs)}.\n\n"
         f"The feedback phase's start, per import (held-out, before its first step), and when K=2 overtakes K=1 "
         f"(evals every {sizes.eval_every} steps):\n\n{start}\n\n{common.figure_line(args, path, 'feedback phase after import')}\n"
     )

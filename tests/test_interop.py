@@ -163,6 +163,18 @@ def test_scanned_layers_import_the_same_model(imported, tmp_path):
     model, _ = load_model(run, log=quiet)
     reference = load_file(os.path.join(ref("qwen2"), "reference_logits.safetensors"))
     np.testing.assert_allclose(standard_logits(model, reference["tokens"]), reference["logits"], atol=1e-4, rtol=0)
+    exporter.export_run(run, str(tmp_path / "hf"), log=quiet)  # the stacked layers written back one by one
+    original, exported = hf_tensors(ref("qwen2")), hf_tensors(str(tmp_path / "hf"))
+    assert exported.keys() == original.keys() and all(np.array_equal(exported[k], original[k]) for k in original)
+
+
+def test_the_upcycle_config_names_a_missing_import_in_one_line(tmp_path):
+    from conftest import cpu_env, run_command
+
+    for arg, expected in (("", "give the imported run"), (":runs/nope", "import the model first")):
+        result = run_command(["fbt-train", f"--config=configs/upcycle.py{arg}"], cpu_env(1))
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and expected in lines[0], result.stderr
 
 
 def test_readout_fusion_starts_where_the_pretrained_stack_reads_embeddings():

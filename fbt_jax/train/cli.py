@@ -74,6 +74,9 @@ def parse_flags(argv: list[str]) -> list[str]:
             return rest
         except (flags.Error, AttributeError, KeyError, OSError, TypeError, ValueError) as err:
             text = str(err).encode().decode("unicode_escape", errors="replace")
+            if "Traceback (most recent call last)" in text:  # a config file's own error: its message only
+                head, _, trace = text.partition("Traceback (most recent call last)")
+                text = f"{head.strip()} {[line for line in trace.splitlines() if line.strip()][-1].strip()}"
             if isinstance(err, (AttributeError, KeyError)):
                 raise UsageError(f"unknown config field {' '.join(text.replace(chr(39), '').split())}") from None
             raise UsageError(f"bad flags: {' '.join(text.split())}") from None
