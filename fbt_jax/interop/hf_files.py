@@ -42,6 +42,8 @@ class HFDirectory:
 
     def __init__(self, path: str):
         self.path = path
+        if "://" in path:
+            raise Refused(f"{path}: fbt-import reads a local model directory; copy it from the bucket first")
         if not os.path.isdir(path):
             raise Refused(
                 f"{path} is not a directory; give a local Hugging Face model directory (config.json + *.safetensors)"

@@ -29,7 +29,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
@@ -114,7 +113,8 @@ def import_model(
     mesh = sharding.make_mesh(config.mesh)
     graphdef, abstract_params = nnx.split(abstract_model(cfg), nnx.Param)
     shardings = sharding.param_shardings(abstract_params, mesh, sharding.parse_rules(config.sharding.rules))
-    params = _read_params(src, cfg, shardings, sidecar, fusion_init, seed)
+    dtypes = {path: var.get_value().dtype for path, var in nnx.to_flat_state(abstract_params)}
+    params = _read_params(src, cfg, shardings, dtypes, sidecar, fusion_init, seed)
     log(f"read {len(tensors.hf_shapes(cfg))} tensors from {hf_dir}")
     _write_run(target, config, params, src, tokenizer_files)
     log(
@@ -127,9 +127,16 @@ def _read_sidecar(src: hf_files.HFDirectory, cfg: ModelConfig) -> dict[str, Any]
     """The fbt config of a directory fbt-export wrote, checked against its config.json."""
     if not src.has(SIDECAR_CONFIG):
         return None
-    with open(os.path.join(src.path, SIDECAR_CONFIG), encoding="utf-8") as f:
-        sidecar = json.load(f)
-    ours = ModelConfig(**{k: v for k, v in sidecar["model"].items() if k in ModelConfig.__dataclass_fields__})
+    try:
+        with open(os.path.join(src.path, SIDECAR_CONFIG), encoding="utf-8") as f:
+            sidecar = json.load(f)
+        fields = {k: v for k, v in sidecar["model"].items() if k in ModelConfig.__dataclass_fields__}
+        ours = ModelConfig(**fields)
+        ours.check()
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise Refused(
+            f"{src.path}/{SIDECAR_CONFIG} is not an fbt export's config ({err}); remove it or re-export"
+        ) from None
     if standard_fields(ours) != standard_fields(cfg):
         raise Refused(f"{src.path}: {SIDECAR_CONFIG} describes another model than config.json; remove one of them")
     if not src.has(SIDECAR_WEIGHTS):
@@ -138,8 +145,16 @@ def _read_sidecar(src: hf_files.HFDirectory, cfg: ModelConfig) -> dict[str, Any]
 
 
 def _read_params(
-    src: hf_files.HFDirectory, cfg: ModelConfig, shardings: Any, sidecar: dict | None, fusion_init: str, seed: int
+    src: hf_files.HFDirectory,
+    cfg: ModelConfig,
+    shardings: Any,
+    dtypes: dict[tuple, Any],
+    sidecar: dict | None,
+    fusion_init: str,
+    seed: int,
 ) -> nnx.State:
+    """Every parameter placed with its sharding, each device's block read from the files by the
+    process that holds it, in the model's parameter dtype; the fusion from the fbt files or made."""
     by_path = {m.path: m for m in tensors.tensor_maps(cfg)}
     side = None
     if sidecar:
@@ -150,20 +165,19 @@ def _read_params(
             )
     flat = []
     for path, var in nnx.to_flat_state(shardings):
-        spec = var.get_value()  # the parameter's NamedSharding
+        spec, dtype = var.get_value(), dtypes[path]  # the parameter's NamedSharding and dtype
         if path in by_path:
             m = by_path[path]
             getter = side.get_slice if side is not None and m.hf_names[0].startswith("fbt.") else src.get_slice
-            shape = m.shape
             array = jax.make_array_from_callback(
-                shape, spec, lambda idx, m=m, g=getter: m.read_block(g, idx).astype(np.float32, copy=False)
+                m.shape, spec, lambda idx, m=m, g=getter, t=dtype: m.read_block(g, idx).astype(t, copy=False)
             )
         elif side is not None:
             name = tensors.FUSION_NAMES[path]
             array = jax.make_array_from_callback(
                 tuple(side.get_slice(name).get_shape()),
                 spec,
-                lambda idx, n=name: side.get_slice(n)[idx].astype(np.float32, copy=False),
+                lambda idx, n=name, t=dtype: side.get_slice(n)[idx].astype(t, copy=False),
             )
         else:
             array = None  # the fusion, made below from the imported tensors
@@ -185,7 +199,8 @@ def _read_params(
             )
             values = {"state_proj_DD": made[0], "gate_proj_DD": made[1]}
         else:
-            fresh = nnx.state(Fusion(cfg.embed_dim, cfg.fusion, jnp.float32, cfg.compute_dtype, nnx.Rngs(params=seed)))
+            pdt = jnp.dtype(cfg.param_dtype)
+            fresh = nnx.state(Fusion(cfg.embed_dim, cfg.fusion, pdt, cfg.compute_dtype, nnx.Rngs(params=seed)))
             values = {k: jax.device_put(v.get_value(), fusion[k].get_value()) for k, v in fresh.items()}
         for key in list(fusion.keys()):
             fusion[key] = fusion[key].replace(values[key])
