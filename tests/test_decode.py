@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from fbt_jax import decode
 from fbt_jax.errors import ConfigError
@@ -75,16 +76,20 @@ def test_fused_decoding_is_a_two_pass_prefill_then_soft_steps(model, tokens):
     states, logits = teacher_forced(model, tokens, "fused")
     # Reference without a cache: for each row, the prompt's pass-2 inputs (fully fused from
     # position 1), then generated positions fused with the previous state, one at a time.
+    # The inputs are kept at full length T (zeros not yet written): attention is causal, so the
+    # positions after t never reach t, and one compiled stack serves every step.
+    stack = nnx.jit(lambda m, u: m.stack(u))
     reference = jnp.zeros((3, T, model.cfg.embed_dim))
     for b in range(3):
         n = int(LENGTHS[b])
         e = model.embed(tokens[b : b + 1])
         positions = default_positions((1, n))
-        u = feedback_inputs(model, e[:, :n], model.stack(e[:, :n], positions), jnp.ones(1, jnp.int32), positions)
+        prompt = feedback_inputs(model, e[:, :n], model.stack(e[:, :n], positions), jnp.ones(1, jnp.int32), positions)
+        u = jnp.zeros((1, T, model.cfg.embed_dim)).at[:, :n].set(prompt)
         for t in range(n, T):
-            h = model.stack(u)
-            u = jnp.concatenate([u, model.fusion(e[:, t : t + 1], h[:, -1:])], axis=1)
-        reference = reference.at[b].set(model.stack(u)[0])
+            h = stack(model, u)
+            u = u.at[:, t].set(model.fusion(e[:, t : t + 1], h[:, t - 1 : t])[:, 0])
+        reference = reference.at[b].set(stack(model, u)[0])
     assert compare(model, states, logits, reference) <= 1e-4
 
 
@@ -157,7 +162,7 @@ def test_soft_and_standard_decoding_are_exact_for_imported_model_features(tokens
     for i, block in enumerate(model.blocks):  # biases start at zero: give them values that count
         for name in ("q_bias_NH", "k_bias_GH", "v_bias_GH"):
             bias = getattr(block.attn, name)
-            bias.value = jax.random.normal(jax.random.PRNGKey(10 * i + len(name)), bias.value.shape)
+            bias[...] = jax.random.normal(jax.random.PRNGKey(10 * i + len(name)), bias[...].shape)
     states, logits = teacher_forced(model, tokens, "soft")
     fuse_from = jnp.asarray(LENGTHS)
     assert compare(model, states, logits, sequential_feedback(model, tokens, fuse_from)) <= 1e-4

@@ -144,10 +144,14 @@ def test_a_killed_preparation_resumes_to_the_same_dataset(tmp_path, bpe_tokenize
     write_mixed_corpus(corpus, num_files=16, docs_per_file=120, seed=1, words=600)
     args = prepare_args(corpus, "{out}", bpe_tokenizer_json)
     reference = str(tmp_path / "reference")
+    # The kills land at seeded moments of the work itself, after the start-up (which on a fast
+    # machine is most of a short preparation): the reference run measures both.
     start = time.perf_counter()
-    result = run_command(["fbt-prepare", *[a.format(out=reference) for a in args]])
-    assert result.returncode == 0, result.stderr[-2000:]
-    seconds = time.perf_counter() - start
+    proc = start_command(["fbt-prepare", *[a.format(out=reference) for a in args]], stderr=subprocess.PIPE)
+    wait_for(lambda: os.path.exists(os.path.join(reference, "prepare.json")) or proc.poll() is not None, timeout=120)
+    opened = time.perf_counter() - start
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()[-2000:]
+    work = time.perf_counter() - start - opened
     rng = random.Random(0)
     for attempt, shards in enumerate((1, 2)):
         out = str(tmp_path / f"killed-{attempt}")
@@ -156,7 +160,9 @@ def test_a_killed_preparation_resumes_to_the_same_dataset(tmp_path, bpe_tokenize
         interrupted = 0
         for _ in range(2):  # killed twice at seeded moments, then run to the end
             procs = [start_command(a, start_new_session=True) for a in argv]
-            time.sleep(rng.uniform(0.5, seconds))
+            started = os.path.join(out, "prepare.json")
+            wait_for(lambda s=started, p=procs[0]: os.path.exists(s) or p.poll() is not None, 120)
+            time.sleep(rng.uniform(0.0, 0.8 * work))
             for p in procs:
                 if p.poll() is None:
                     os.killpg(p.pid, signal.SIGKILL)

@@ -132,6 +132,6 @@ def test_cli_reports_a_bad_config_as_one_line_before_compiling():
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "fbt-train: config error: model.num_heads=5 does not divide model.embed_dim=64; "
-        "choose heads so that embed_dim % num_heads == 0"
+        "choose heads so that embed_dim % num_heads == 0, or set model.head_dim"
     ]
     assert "compiled" not in result.stdout

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -241,17 +242,23 @@ def prepare_shard(
     start, tokens = time.perf_counter(), 0
     bar = tqdm(total=len(todo), desc=f"prepare shard {shard_index}/{num_shards}", unit="unit", disable=not progress)
     jobs = [(plan, output, unit) for unit in todo]
-    if workers == 1 or len(todo) <= 1:
-        finished = map(_run_unit, jobs)
-        pool = None
-    else:
-        import multiprocessing
+    pool = None
+    try:  # a stop (SIGTERM) may come while the workers start: the bar is closed before it is reported
+        if workers == 1 or len(todo) <= 1:
+            finished = map(_run_unit, jobs)
+        else:
+            import multiprocessing
 
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        context = multiprocessing.get_context("spawn")  # the tokenizer's threads do not survive a fork
-        pool = context.Pool(min(workers, len(todo)), _worker_init, (max(1, cores // workers),))
-        finished = pool.imap_unordered(_run_unit, jobs)
-    try:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            context = multiprocessing.get_context("spawn")  # the tokenizer's threads do not survive a fork
+            # A stop that came while a worker was being started left it without its start-up data
+            # (a traceback from the child): it waits until every worker has started.
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            try:
+                pool = context.Pool(min(workers, len(todo)), _worker_init, (max(1, cores // workers),))
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            finished = pool.imap_unordered(_run_unit, jobs)
         for done in finished:
             tokens += sum(done["tokens"].values())
             bar.update(1)
