@@ -208,12 +208,15 @@ def evaluate(
     batch_size: int,
     probe_examples: int = 512,
     log: Any = print,
+    data_path: str = "",
 ) -> dict[str, Any]:
     from fbt_jax.data.pipeline import make_source
     from fbt_jax.schedule import PassSchedule
     from fbt_jax.trained import load_model
 
     model, config = load_model(checkpoint_path, log)
+    if data_path:  # held-out text for a run that recorded none (an imported model)
+        config.data.source, config.data.path = "text", data_path
     if config.data.source == "task":
         config.data.seq_len = seq_len or config.data.seq_len  # default: the length the run trained on
     elif seq_len:
@@ -281,6 +284,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--batch-size", type=int, default=32, help="validation sequences for the depth sweep and modes")
     parser.add_argument("--probe-examples", type=int, default=512, help="sequences per split for the probes")
+    parser.add_argument(
+        "--data-path", default="", help="text to evaluate on instead of the run's own (e.g. for an imported model)"
+    )
     with reported("fbt-eval"):
         args = parser.parse_args(argv)
         if args.batch_size < 1:
@@ -300,7 +306,16 @@ def main(argv: list[str] | None = None) -> None:
             # The storage libraries' tracebacks from their threads when a checkpoint does not
             # restore go to this log; the failure itself is reported as one line.
             divert_library_noise(os.path.join(output, "fbt-eval.log"))
-        report = evaluate(checkpoint_path, output, args.max_depth, args.seq_len, args.batch_size, args.probe_examples)
+        data_path = paths.resolve(args.data_path, "--data-path")
+        report = evaluate(
+            checkpoint_path,
+            output,
+            args.max_depth,
+            args.seq_len,
+            args.batch_size,
+            args.probe_examples,
+            data_path=data_path,
+        )
     depth = report["depth"]
     print(f"loss at depth 1 / {len(depth['loss'])}: {depth['loss'][0]:.4f} / {depth['loss'][-1]:.4f}")
     if "contraction" in report:

@@ -147,6 +147,13 @@ RUNS = [
     ),
     (
         "docs/interop.md",
+        "fbt-eval --checkpoint=runs/llama-tiny --data-path=prepared/llama-tiny-64 --output=runs/llama-tiny/eval "
+        "--max-depth=4 --batch-size=4",
+        "",
+        "loss at depth 1 / 4",
+    ),
+    (
+        "docs/interop.md",
         "fbt-train --config=configs/upcycle.py:runs/llama-tiny --config.data.path=prepared/llama-tiny-64   # kill it at any moment …",
         "--config.train.steps=20 --config.optimizer.warmup_steps=5 --config.eval.every_steps=10 --config.eval.num_batches=1",
         "initialised parameters from",
