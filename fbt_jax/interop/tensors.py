@@ -11,7 +11,6 @@ layers' tensors are stacked on a leading axis, one file tensor per layer.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -116,10 +115,6 @@ def tensor_maps(cfg: ModelConfig) -> list[TensorMap]:
 def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every Hugging Face tensor name the model needs, with its shape."""
     return {name: m.hf_shape for m in tensor_maps(cfg) for name in m.hf_names}
-
-
-def hf_nbytes(cfg: ModelConfig, itemsize: int) -> int:
-    return sum(math.prod(shape) for shape in hf_shapes(cfg).values()) * itemsize
 
 
 FUSION_NAMES = {
