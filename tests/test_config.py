@@ -3,9 +3,9 @@
 import pytest
 from conftest import load_config, set_fields
 
-from fbt_jax.config import validate_config
 from fbt_jax.errors import ConfigError
 from fbt_jax.model import ModelConfig, abstract_model, count_params
+from fbt_jax.validation import validate_config
 
 
 def test_tiny_config_is_valid():

@@ -25,8 +25,8 @@ from typing import Any
 
 import ml_collections
 
-from fbt_jax.config import validate_config
 from fbt_jax.errors import ConfigError
+from fbt_jax.validation import validate_config
 
 SPEC_FIELDS = ("name", "base", "overrides", "grid", "runs", "seeds")
 

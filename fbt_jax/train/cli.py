@@ -11,8 +11,8 @@ from typing import Any
 import jax
 
 from fbt_jax import contraction, distributed, paths, workdir
-from fbt_jax.config import validate_config
 from fbt_jax.errors import UsageError, divert_library_noise, reported
+from fbt_jax.validation import validate_config
 
 PROG = "fbt-train"
 

@@ -11,12 +11,12 @@ import jax
 import ml_collections
 
 from fbt_jax import sharding
-from fbt_jax.config import validate_config
 from fbt_jax.flops import forward_flops, forward_flops_per_token
 from fbt_jax.hardware import chip_hbm_gib
 from fbt_jax.model import count_params
 from fbt_jax.schedule import PassSchedule
 from fbt_jax.train.programs import TrainPrograms
+from fbt_jax.validation import validate_config
 
 
 def dry_run(config: ml_collections.ConfigDict) -> tuple[str, dict[str, dict[str, float]]]:

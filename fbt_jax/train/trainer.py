@@ -16,7 +16,6 @@ import ml_collections
 import numpy as np
 
 from fbt_jax import checkpoint, contraction, distributed, paths, sharding, trained, workdir
-from fbt_jax.config import validate_config
 from fbt_jax.data.mixture import Mixture
 from fbt_jax.data.pipeline import StepBatches, batch_iterator, make_source
 from fbt_jax.errors import CheckpointError, ConfigError
@@ -29,6 +28,7 @@ from fbt_jax.train import hooks
 from fbt_jax.train.loop import run_steps
 from fbt_jax.train.programs import TrainPrograms
 from fbt_jax.train.step import TrainState, all_finite
+from fbt_jax.validation import validate_config
 
 
 class Trainer:
