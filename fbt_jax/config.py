@@ -68,6 +68,18 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.peak_flops_per_device = 0.0  # for MFU; 0: the device's known peak, or measured on a CPU
     c.train.microbatches = 1  # >1: gradient accumulation over this many parts of each global batch
     c.train.stop_at_step = 0  # >0: stop (with a checkpoint) after this step; the schedule still spans train.steps
+    # Persistent XLA compilation cache, so that a restart does not compile again: "auto" is
+    # $JAX_COMPILATION_CACHE_DIR if set, else <workdir>/compilation_cache for a gs:// workdir (shared
+    # by the run's hosts), else the user cache directory (shared by every run on this machine); "" = off.
+    c.train.compilation_cache_dir = "auto"
+    c.train.profile_steps = ""  # "START:END": a jax.profiler trace of steps START..END in <workdir>/profile
+
+    # Metric sinks besides metrics.jsonl and TensorBoard (process 0 only).
+    c.metrics = ml_collections.ConfigDict()
+    c.metrics.wandb = False  # log to Weights & Biases (pip install 'fbt-jax[wandb]'); WANDB_MODE=offline works
+    c.metrics.wandb_project = "fbt-jax"
+    c.metrics.wandb_entity = ""  # "" = wandb's default entity
+    c.metrics.wandb_name = ""  # "" = the workdir's last component
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.learning_rate = 3e-3

@@ -36,6 +36,11 @@ class MetricsWriter:
                 self.tensorboard_dir, flush_secs=10, purge_step=resume_step + 1 if resume_step else None
             )
 
+    @classmethod
+    def for_run(cls, config: Any, workdir: str, resume_step: int = 0) -> MetricsWriter:
+        """The writer of a training run, with the sinks its config asks for (`metrics.*`)."""
+        return cls(workdir, resume_step=resume_step)
+
     def write(self, step: int, scalars: dict[str, Any], stream: str = "train") -> None:
         if not self.enabled:
             return

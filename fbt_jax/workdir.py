@@ -30,6 +30,9 @@ LOCK_NAME = ".fbt-train.lock"
 NEUTRAL_PREFIXES = (
     "train.log_every",
     "train.peak_flops_per_device",
+    "train.compilation_cache_dir",
+    "train.profile_steps",
+    "metrics.",
     "train.stop_at_step",
     "eval.",
     "checkpoint.",

@@ -204,7 +204,7 @@ class Trainer:
         self.log(self.schedule.describe(steps))
         # Only the Ks this run still draws: a sweep's K = 1 trunk compiles one train program.
         compile_report = self.compile(tuple(sorted({self.schedule.num_passes(s) for s in range(start_step, steps)})))
-        writer = MetricsWriter(run_dir.local, resume_step=start_step)
+        writer = MetricsWriter.for_run(cfg, run_dir.local, resume_step=start_step)
         saver = hooks.CheckpointSaver(checkpointer, cfg, run_dir, self.log) if checkpointer is not None else None
         monitor = None
         if self.programs.contraction is not None:
