@@ -154,19 +154,20 @@ class RunDirectory:
                 target.write_bytes(epath.Path(source).read_bytes())
 
     def _download_logs(self) -> None:
+        """The logs a run on another host left in the bucket, into this host's mirror (one listing
+        per directory: Cloud Storage paths do not glob recursively)."""
         from etils import epath
 
-        remote = epath.Path(self.workdir)
-        if not remote.exists():
-            return
-        for source in remote.rglob("*"):
-            relative = os.path.relpath(str(source), self.workdir)
-            if relative.split(os.sep)[0] not in LOG_NAMES or source.is_dir():
-                continue
-            target = os.path.join(self.local, relative)
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            with open(target, "wb") as f:
-                f.write(source.read_bytes())
+        pending = [epath.Path(self.workdir) / name for name in LOG_NAMES]
+        while pending:
+            source = pending.pop()
+            if source.is_dir():
+                pending += list(source.iterdir())
+            elif source.exists():
+                target = os.path.join(self.local, os.path.relpath(str(source), self.workdir))
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                with open(target, "wb") as f:
+                    f.write(source.read_bytes())
 
 
 def local_dir(workdir: str) -> str:
