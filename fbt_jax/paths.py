@@ -9,10 +9,12 @@ a traceback after compiling.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 from fbt_jax.errors import ConfigError, describe
@@ -49,16 +51,45 @@ def resolve(path: str, flag: str) -> str:
     return f"{scheme}://{rest[2:].rstrip('/')}"
 
 
-def check_reachable(url: str, flag: str) -> None:
-    """ConfigError unless the bucket of `url` can be reached (checked once, at start-up).
+def check_reachable(url: str, flag: str, writable: bool = False) -> None:
+    """ConfigError unless the bucket of `url` can be reached (and, with `writable`, written to),
+    checked once, at start-up.
 
-    The storage client retries a failing request for about a minute and logs a traceback per try;
-    a DNS lookup of the endpoint fails at once when there is no network, so try that first.
+    The storage client retries a failing request for about a minute and logs a traceback per try,
+    so the endpoint is tried first: a DNS lookup of Cloud Storage, or a connection to the emulator
+    that STORAGE_EMULATOR_HOST names, each of which fails at once.
     """
     if not is_url(url):
         return
     bucket = url.split("://", 1)[1].split("/", 1)[0]
-    if not os.environ.get("STORAGE_EMULATOR_HOST"):  # an emulator replaces the public endpoint
+    _check_endpoint(flag, url)
+    from etils import epath
+
+    with _quiet_storage_client():
+        try:
+            exists = epath.Path(f"gs://{bucket}").exists()
+        except Exception as err:  # the client raises many types; every one is reported, as one line
+            raise ConfigError(
+                f"{flag}={url!r}: bucket gs://{bucket} cannot be read ({describe(err)}); "
+                "check its name and your credentials (gcloud auth application-default login)"
+            ) from None
+        if not exists:
+            raise ConfigError(f"{flag}={url!r}: bucket gs://{bucket} does not exist; create it or fix the name")
+        if writable:
+            probe = epath.Path(url) / f".fbt-write-check-{socket.gethostname()}-{os.getpid()}"
+            try:
+                probe.write_text("fbt-jax checks that it may write here before it starts")
+                probe.unlink()
+            except Exception as err:
+                raise ConfigError(
+                    f"{flag}={url!r}: cannot write to bucket gs://{bucket} ({describe(err)}); grant this account "
+                    "write access (roles/storage.objectUser) or choose another bucket"
+                ) from None
+
+
+def _check_endpoint(flag: str, url: str) -> None:
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
+    if not emulator:
         try:
             socket.getaddrinfo("storage.googleapis.com", 443)
         except OSError as err:
@@ -66,22 +97,30 @@ def check_reachable(url: str, flag: str) -> None:
                 f"{flag}={url!r}: cannot reach Google Cloud Storage ({err.strerror or err}); "
                 "check the network, or use a local path"
             ) from None
-    from etils import epath
+        return
+    endpoint = emulator if "://" in emulator else f"http://{emulator}"
+    host_port = endpoint.split("://", 1)[1].split("/", 1)[0]
+    host, _, port = host_port.rpartition(":") if ":" in host_port else (host_port, "", "")
+    port_number = int(port) if port.isdigit() else (443 if endpoint.startswith("https") else 80)
+    try:
+        socket.create_connection((host or host_port, port_number), timeout=5).close()
+    except OSError as err:
+        raise ConfigError(
+            f"{flag}={url!r}: cannot reach the storage emulator STORAGE_EMULATOR_HOST={emulator} "
+            f"({err.strerror or err}); start it, or unset STORAGE_EMULATOR_HOST to use Cloud Storage"
+        ) from None
 
+
+@contextlib.contextmanager
+def _quiet_storage_client() -> Iterator[None]:
+    """gcsfs logs every retried request; the one-line error says what went wrong."""
     quiet = logging.getLogger("gcsfs")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)
     try:
-        exists = epath.Path(f"gs://{bucket}").exists()
-    except Exception as err:  # the client raises many types; every one is reported, as one line
-        raise ConfigError(
-            f"{flag}={url!r}: bucket gs://{bucket} cannot be read ({describe(err)}); "
-            "check its name and your credentials (gcloud auth application-default login)"
-        ) from None
+        yield
     finally:
         quiet.setLevel(level)
-    if not exists:
-        raise ConfigError(f"{flag}={url!r}: bucket gs://{bucket} does not exist; create it or fix the name")
 
 
 def resolve_inputs(spec: str, flag: str) -> str:
@@ -148,9 +187,10 @@ def check_config_urls(config: Any) -> None:
         named.append((field, (config[section] if section else config)[name]))
     named += [("data.path", part.lstrip("@")) for part in str(config.data.path).split(",")]
     for field, value in named:
-        if is_url(value) and value.split("/")[2] not in seen:
-            seen.add(value.split("/")[2])
-            check_reachable(value, f"--config.{field}")
+        writable = field in CONFIG_OUTPUT_DIRS
+        if is_url(value) and (value.split("/")[2], writable) not in seen:
+            seen.add((value.split("/")[2], writable))
+            check_reachable(value, f"--config.{field}", writable=writable)
 
 
 def check_output_file(path: str, flag: str) -> None:

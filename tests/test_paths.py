@@ -5,6 +5,7 @@ import http.server
 import json
 import os
 import threading
+import time
 
 import pytest
 from conftest import ROOT, cpu_env, load_config, run_command
@@ -56,20 +57,35 @@ def test_the_data_cache_must_be_local():
 
 
 class FakeCloudStorage(http.server.ThreadingHTTPServer):
-    """Answers the Cloud Storage JSON API with 404 for every bucket, and records the requests."""
+    """Answers the Cloud Storage JSON API with 404 for every bucket but READ_ONLY, which exists and
+    refuses every write with 403 (what a bucket without write permission answers); records the
+    requests. (A bucket that works is the emulator's: tests/test_bucket.py.)"""
+
+    READ_ONLY = "fbt-read-only"
 
     def __init__(self):
         self.requests: list[str] = []
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            def answer(handler, code, body):  # noqa: N805
+                data = json.dumps(body).encode()
+                handler.send_response(code)
+                handler.send_header("Content-Type", "application/json")
+                handler.send_header("Content-Length", str(len(data)))
+                handler.end_headers()
+                handler.wfile.write(data)
+
             def do_GET(handler):  # noqa: N805
                 self.requests.append(handler.path)
-                body = json.dumps({"error": {"code": 404, "message": "Not Found"}}).encode()
-                handler.send_response(404)
-                handler.send_header("Content-Type", "application/json")
-                handler.send_header("Content-Length", str(len(body)))
-                handler.end_headers()
-                handler.wfile.write(body)
+                if handler.path.split("?")[0] == f"/storage/v1/b/{self.READ_ONLY}":
+                    return handler.answer(200, {"kind": "storage#bucket", "name": self.READ_ONLY})
+                handler.answer(404, {"error": {"code": 404, "message": "Not Found"}})
+
+            def do_POST(handler):  # noqa: N805
+                self.requests.append(f"POST {handler.path}")
+                handler.rfile.read(int(handler.headers.get("Content-Length", 0)))
+                message = "does not have storage.objects.create access"
+                handler.answer(403, {"error": {"code": 403, "message": message}})
 
             def log_message(handler, *args):  # noqa: N805
                 pass
@@ -118,3 +134,40 @@ def test_fbt_prepare_to_a_missing_bucket_is_one_line(cloud, tmp_path):
     )
     assert result.returncode == 2 and "bucket gs://fbt-no-bucket does not exist" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and sorted(os.listdir(tmp_path)) == ["doc.txt"]
+
+
+def test_a_bucket_without_write_permission_is_one_line_before_any_work(cloud, tmp_path):
+    result = run_command(
+        ["fbt-train", f"--config={ROOT}/configs/tiny.py", f"--config.workdir=gs://{cloud.READ_ONLY}/run"],
+        cpu_env(1, STORAGE_EMULATOR_HOST=cloud.url, GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false"),
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = [line for line in result.stderr.splitlines() if line.strip()][-1]
+    assert last.startswith(
+        f"fbt-train: config error: --config.workdir='gs://{cloud.READ_ONLY}/run': cannot write to bucket "
+        f"gs://{cloud.READ_ONLY} ("
+    ), last
+    assert "grant this account write access" in last and "compiled" not in result.stdout
+    assert any(r.startswith("POST") for r in cloud.requests)
+
+
+def test_an_unreachable_emulator_is_one_line_at_once(tmp_path):
+    from storage_emulator import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    result = run_command(
+        ["fbt-train", f"--config={ROOT}/configs/tiny.py", "--config.workdir=gs://fbt-test/run"],
+        cpu_env(1, STORAGE_EMULATOR_HOST=url),
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = [line for line in result.stderr.splitlines() if line.strip()][-1]
+    assert last.startswith(
+        f"fbt-train: config error: --config.workdir='gs://fbt-test/run': cannot reach the storage emulator "
+        f"STORAGE_EMULATOR_HOST={url} ("
+    ), last
+    assert time.monotonic() - started < 60  # not the client's minute of retries

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
         args = parser.parse_args(argv)
         signal.signal(signal.SIGTERM, _preempted)  # a scheduler's stop: exit 75, the same command resumes
         output = paths.resolve(args.output, "--output")
-        paths.check_reachable(output, "--output")
+        paths.check_reachable(output, "--output", writable=True)
         paths.check_output_dir(output, "--output")
         if args.seq_len < 2:
             raise ConfigError(f"--seq-len {args.seq_len} is too short; use at least 2")
