@@ -160,6 +160,9 @@ def resolve_config_paths(config: Any) -> None:
         config.data.mixture = ",".join(
             f"{name}={resolve(path, '--config.data.mixture')}:{weight}" for name, path, weight in parts
         )
+    cache = str(config.train.compilation_cache_dir)
+    if cache not in ("auto", ""):  # "auto" and "" (off) are not paths
+        config.train.compilation_cache_dir = resolve(cache, "--config.train.compilation_cache_dir")
     tokenizer = config.data.tokenizer
     if tokenizer and tokenizer != "byte":
         config.data.tokenizer = resolve(tokenizer, "--config.data.tokenizer")

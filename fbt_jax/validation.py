@@ -16,6 +16,7 @@ from fbt_jax.hardware import chip_hbm_gib
 from fbt_jax.model import ModelConfig
 from fbt_jax.schedule import PassSchedule
 from fbt_jax.sharding import BATCH_AXIS, MESH_AXES, mesh_shape, parse_rules
+from fbt_jax.train.services import parse_profile_steps
 
 
 def _leaves(config: ml_collections.ConfigDict, prefix: str = "") -> list[tuple[str, object]]:
@@ -196,6 +197,9 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
         f"eval.contraction_every_steps={e.contraction_every_steps} is negative; use 0 to monitor at evals only",
     )
     paths.check_config_dirs(config)
+    if str(t.compilation_cache_dir) not in ("auto", ""):
+        paths.check_dir_path(str(t.compilation_cache_dir), "--config.train.compilation_cache_dir")
+    parse_profile_steps(t.profile_steps, t.steps)
     _require(
         not (config.init_from and config.fork_from),
         "init_from and fork_from are both set; init_from starts a new run from parameters only, fork_from "

@@ -24,7 +24,7 @@ from fbt_jax.hardware import peak_flops_per_device
 from fbt_jax.metrics import MetricsWriter
 from fbt_jax.model import count_params
 from fbt_jax.schedule import PassSchedule
-from fbt_jax.train import hooks
+from fbt_jax.train import goodput, hooks, services
 from fbt_jax.train.loop import run_steps
 from fbt_jax.train.programs import TrainPrograms
 from fbt_jax.train.step import TrainState, all_finite
@@ -49,6 +49,7 @@ class Trainer:
                 f"model.vocab_size={config.model.vocab_size} is smaller than the data's vocabulary "
                 f"({data_vocab}); set --config.model.vocab_size={data_vocab} or larger"
             )
+        services.use_compilation_cache(services.compilation_cache_dir(config))  # before anything compiles
         self.programs = TrainPrograms(config, self.schedule, devices, self.sources["train"].packed, self.log)
         self.state: TrainState | None = None
         self._monitor_batch: dict[str, jax.Array] | None = None  # the contraction monitor's fixed batch
@@ -189,10 +190,14 @@ class Trainer:
         if cfg.checkpoint.every_steps > 0:
             directory = cfg.checkpoint.dir or join(cfg.workdir, "checkpoints")
             checkpointer = checkpoint.Checkpointer(directory, cfg.checkpoint, self.log)
+        restore_start = time.perf_counter()
         start_step, checkpointer = self.restore_or_init(checkpointer)
+        restore_seconds = time.perf_counter() - restore_start
         distributed.check_schedule_agreement(self.schedule, start_step, steps)
         if not self.resumed:  # a new run in this workdir (from scratch, init_from or a fork)
             run_dir.set_aside_previous_outputs(self.log)
+        ledger = goodput.Ledger(run_dir.local, start_step)  # where this attempt's time goes
+        ledger.add("restore", restore_seconds)
         run_dir.write_config(cfg, start_step)
         self._write_process_info(run_dir.local)
         mesh = self.programs.mesh
@@ -204,6 +209,7 @@ class Trainer:
         self.log(self.schedule.describe(steps))
         # Only the Ks this run still draws: a sweep's K = 1 trunk compiles one train program.
         compile_report = self.compile(tuple(sorted({self.schedule.num_passes(s) for s in range(start_step, steps)})))
+        ledger.add("compile", sum(report["compile_seconds"] for report in compile_report.values()))
         writer = MetricsWriter.for_run(cfg, run_dir.local, resume_step=start_step)
         saver = hooks.CheckpointSaver(checkpointer, cfg, run_dir, self.log) if checkpointer is not None else None
         monitor = None
@@ -230,15 +236,22 @@ class Trainer:
             when=logger.wants,
         )
         # Hooks that add to a step's record (throughput, the monitor) come before the logger writes it.
-        run_hooks: list[hooks.Hook] = [h for h in (throughput, monitor, logger, saver) if h is not None]
+        timed_monitor = goodput.Timed(monitor, ledger, "eval") if monitor else None
+        timed_saver = goodput.Timed(saver, ledger, "checkpoint") if saver else None
+        run_hooks: list[hooks.Hook] = [h for h in (throughput, timed_monitor, logger, timed_saver) if h is not None]
         evaluator = None
         if self.programs.eval is not None:
             evaluator = hooks.Evaluator(self.evaluate, writer, cfg.eval.every_steps, self.log)
-            run_hooks.append(evaluator)
+            run_hooks.append(goodput.Timed(evaluator, ledger, "eval"))
+        window = services.parse_profile_steps(cfg.train.profile_steps, cfg.train.steps)
+        if window:
+            run_hooks.append(services.Profiler(window, run_dir.path("profile"), start_step, self.log))
+        run_hooks.append(goodput.LedgerWriter(ledger, logger.wants, saver.saves if saver else lambda end: False))
         d = cfg.data
         local_batches = batch_iterator(self.step_batches("train", batch_size), start_step, d.num_workers, d.prefetch)
-        global_batches = (self.to_global(rows, batch_size) for rows in local_batches)
+        global_batches = ledger.batches(self.to_global(rows, batch_size) for rows in local_batches)
         preemption = hooks.PreemptionWatcher(checkpointer)
+        ledger.add("startup", time.time() - ledger.started - sum(ledger.seconds.values()))
         start_time = time.perf_counter()
         failed = True
         try:
@@ -264,6 +277,10 @@ class Trainer:
             preemption.close()
             for hook in run_hooks:
                 hooks.finish(lambda hook=hook: hook.close(failed), failed, self.log)
+            ledger.close_loop(time.perf_counter() - start_time)
+            ledger.write(force=True)
+            time_summary = ledger.summary()
+            writer.write_summary(goodput.flat(time_summary))
             writer.close()
             if hasattr(local_batches, "close"):
                 local_batches.close()  # stops prefetch threads / worker processes
@@ -273,6 +290,7 @@ class Trainer:
             "start_step": start_step,
             "train_seconds": time.perf_counter() - start_time,
             "compile": compile_report,
+            "goodput": time_summary,
             "eval": evaluator.results if evaluator else {},
             "realised_mixture": self.schedule.realised_mixture(0, steps),
             "outputs": {

@@ -1,0 +1,140 @@
+"""Run-time services around the training loop, none of them part of its math: the persistent
+compilation cache (a restart loads its compiled programs instead of compiling them again) and a
+profiler window (a `jax.profiler` trace of chosen steps).
+
+The cache is JAX's own: the key covers the program, the compiler flags, the devices and the JAX
+version, so a cached program is the program that would have been compiled, and training resumed
+from a warm cache is bitwise the same. Only process 0 writes entries (JAX's rule, to spare shared
+file systems and buckets contention), so the other hosts of a run save their compile time only
+when the directory is shared: a bucket, or a file system every host mounts.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import jax
+
+from fbt_jax import paths
+from fbt_jax.errors import ConfigError
+from fbt_jax.train.loop import Hook, StepEnd
+from fbt_jax.train.step import TrainState
+
+CACHE_SUBDIR = "compilation_cache"
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+
+def compilation_cache_dir(config: Any, workdir: str = "") -> str:
+    """Where a run's compiled programs are kept ("" = nowhere): `train.compilation_cache_dir`, or
+    for "auto" $JAX_COMPILATION_CACHE_DIR when set, else `<workdir>/compilation_cache`."""
+    value = str(config.train.compilation_cache_dir)
+    if value != "auto":
+        return value
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.environ["JAX_COMPILATION_CACHE_DIR"]
+    base = workdir or config.workdir
+    return f"{base.rstrip('/')}/{CACHE_SUBDIR}" if paths.is_url(base) else os.path.join(base, CACHE_SUBDIR)
+
+
+def use_compilation_cache(directory: str, flag: str = "--config.train.compilation_cache_dir") -> None:
+    """Point JAX's persistent compilation cache at `directory` ("" turns it off), before anything
+    is compiled; every program is cached, however quickly it compiled, unless the JAX variables
+    that set those thresholds are given."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    if directory and not paths.is_url(directory):
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise ConfigError(f"{flag}={directory!r} is a file; give a directory, or '' to turn the cache off")
+        paths.check_output_dir(directory, flag)
+        os.makedirs(directory, exist_ok=True)
+    compilation_cache.reset_cache()  # a second run in one process may name another directory
+    jax.config.update("jax_enable_compilation_cache", bool(directory))
+    jax.config.update("jax_compilation_cache_dir", directory or None)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    CACHE_HITS.listen()
+
+
+class CacheHits:
+    """Counts the programs loaded from the persistent cache (JAX reports each as an event), so a
+    compile report can say which programs were loaded rather than compiled."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+        self._listening = False
+
+    def listen(self) -> None:
+        if not self._listening:
+            jax.monitoring.register_event_listener(self._on_event)
+            self._listening = True
+
+    def _on_event(self, event: str, **_: Any) -> None:
+        if event == _CACHE_HIT_EVENT:
+            with self._lock:
+                self.count += 1
+
+
+CACHE_HITS = CacheHits()
+
+
+# --- the profiler window -------------------------------------------------------------------------------
+
+
+def parse_profile_steps(value: str, steps: int) -> tuple[int, int] | None:
+    """`train.profile_steps` "START:END" as (START, END), steps counted as the logs count them
+    (1 is the first step); None when empty. ConfigError outside 1..train.steps."""
+    if not str(value).strip():
+        return None
+    start, sep, end = str(value).partition(":")
+    if not (sep and start.strip().isdigit() and end.strip().isdigit()):
+        raise ConfigError(f"train.profile_steps={value!r} is not START:END; give two step numbers, e.g. 10:12")
+    window = int(start), int(end)
+    if not 1 <= window[0] <= window[1] <= steps:
+        raise ConfigError(
+            f"train.profile_steps={value!r} is outside the run's steps; give 1 <= START <= END <= train.steps={steps}"
+        )
+    return window
+
+
+class Profiler(Hook):
+    """Traces steps START..END with `jax.profiler` into `directory` (TensorBoard's profile plugin
+    reads it; `perfetto_trace.json.gz` opens in ui.perfetto.dev). The trace starts once step
+    START-1 has been dispatched and stops when step END's results are ready."""
+
+    def __init__(self, window: tuple[int, int], directory: str, start_step: int, log: Any):
+        self.first, self.last = window
+        self.directory, self.log = directory, log
+        self.tracing = False
+        if start_step >= self.last:
+            log(f"profile: steps {self.first}–{self.last} ran before this run resumed at step {start_step}; not traced")
+        elif start_step >= self.first - 1:
+            self._start(start_step + 1)
+
+    def _start(self, step: int) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+        self.tracing = True
+        self.log(f"profile: tracing steps {step}–{self.last} into {self.directory}")
+
+    def on_step(self, end: StepEnd) -> None:
+        if end.step == self.first - 1 and not self.tracing:
+            self._start(self.first)
+
+    def wants(self, end: StepEnd) -> bool:
+        return self.tracing and end.step == self.last
+
+    def on_interval(self, end: StepEnd, record: dict[str, float], state: TrainState) -> None:
+        jax.block_until_ready(state)
+        self._stop()
+
+    def _stop(self) -> None:
+        jax.profiler.stop_trace()
+        self.tracing = False
+        self.log(f"profile: trace written to {self.directory} (tensorboard --logdir {self.directory}, or Perfetto)")
+
+    def close(self, failed: bool) -> None:
+        if self.tracing:  # the run stopped inside the window: keep what was traced
+            self._stop()
