@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import os
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         args = parser.parse_args(argv)
         output = check_args(args)
         prompts = read_prompts(args)
+        from fbt_jax.train.services import use_run_cache
         from fbt_jax.trained import load_model
 
         # Reading damaged checkpoints makes the storage libraries print tracebacks from their
@@ -51,6 +53,9 @@ def main(argv: list[str] | None = None) -> None:
         divert_library_noise(os.devnull)
 
         model, config = load_model(paths.resolve(args.checkpoint, "--checkpoint"), log=lambda *_: None)
+        use_run_cache(
+            config, paths.resolve(args.checkpoint, "--checkpoint"), log=lambda line: print(line, file=sys.stderr)
+        )
         encode, render = codec(config)
         encoded = [encode(p) for p in prompts]
         lengths = np.array([len(e) for e in encoded])

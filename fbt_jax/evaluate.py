@@ -212,9 +212,11 @@ def evaluate(
 ) -> dict[str, Any]:
     from fbt_jax.data.pipeline import make_source
     from fbt_jax.schedule import PassSchedule
+    from fbt_jax.train.services import use_run_cache
     from fbt_jax.trained import load_model
 
     model, config = load_model(checkpoint_path, log)
+    use_run_cache(config, checkpoint_path, log)
     if data_path:  # held-out text for a run that recorded none (an imported model)
         config.data.source, config.data.path = "text", data_path
     if config.data.source == "task":

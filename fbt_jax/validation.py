@@ -13,6 +13,7 @@ from fbt_jax import paths
 from fbt_jax.data.pipeline import validate_data
 from fbt_jax.errors import ConfigError
 from fbt_jax.hardware import chip_hbm_gib
+from fbt_jax.metrics import check_metrics_config
 from fbt_jax.model import ModelConfig
 from fbt_jax.schedule import PassSchedule
 from fbt_jax.sharding import BATCH_AXIS, MESH_AXES, mesh_shape, parse_rules
@@ -200,6 +201,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     if str(t.compilation_cache_dir) not in ("auto", ""):
         paths.check_dir_path(str(t.compilation_cache_dir), "--config.train.compilation_cache_dir")
     parse_profile_steps(t.profile_steps, t.steps)
+    check_metrics_config(config)  # metrics.wandb without wandb installed
     _require(
         not (config.init_from and config.fork_from),
         "init_from and fork_from are both set; init_from starts a new run from parameters only, fork_from "

@@ -22,7 +22,15 @@ import ml_collections
 from fbt_jax import paths
 from fbt_jax.errors import ConfigError, WorkdirBusy
 
-LOG_NAMES = ("metrics.jsonl", "eval.jsonl", "summary.json", "config.json", "goodput.jsonl", "tensorboard")
+LOG_NAMES = (
+    "metrics.jsonl",
+    "eval.jsonl",
+    "summary.json",
+    "config.json",
+    "goodput.jsonl",
+    "tensorboard",
+    "wandb_run_id",
+)
 LOCK_NAME = ".fbt-train.lock"
 
 # Config fields that never change the trained numbers: how a run is logged, evaluated, saved

@@ -18,6 +18,19 @@
 #   PROJECT        gcloud project (default: gcloud's configured one)
 #   REMOTE_DIR     checkout location on the workers (default: ~/fbt-jax)
 #   EXTRA_ENV      extra "VAR=value ..." to set on the workers (e.g. LIBTPU_INIT_ARGS=...)
+#
+# Relaunching after a preemption, without a person (docs/launch.md):
+#   MAX_RESTARTS       relaunch at most this many times (default 0: run once)
+#   RESTART_DELAY      seconds before the first relaunch (default 60), doubled at every relaunch
+#   MAX_RESTART_DELAY  ... up to this (default 1800)
+#   BEFORE_RELAUNCH    a shell command run before every relaunch (e.g. one that recreates a
+#                      preempted spot slice and waits for it); its failure fails that attempt
+# Every worker reports its program's exit status in one line (`[tpu_pod.sh] worker HOST exited with
+# status S`), which decides (gcloud's own status does not carry the workers' reliably): a run is
+# relaunched (on every worker, --setup included) after 75 (preempted: saved and stopped), a lost
+# connection (ssh's 255: a host went away) or any other failure; it stops at once, with that
+# status, after 0 or a status a relaunch cannot fix: 2 config error, 3 diverged, 4 processes
+# disagree, 5 checkpoint error, 6 workdir busy, 130 interrupted.
 set -euo pipefail
 
 dry_run=0; setup=0
@@ -32,6 +45,14 @@ if [[ $# -lt 2 ]]; then
   echo "usage: launch/tpu_pod.sh [--dry-run] [--setup] TPU_NAME ZONE <fbt-train args...>" >&2
   exit 2
 fi
+max_restarts=${MAX_RESTARTS:-0}
+restart_delay=${RESTART_DELAY:-60}
+max_restart_delay=${MAX_RESTART_DELAY:-1800}
+[[ "$max_restarts" =~ ^[0-9]{1,6}$ ]] || { echo "tpu_pod.sh: MAX_RESTARTS must be a non-negative integer (got '$max_restarts')" >&2; exit 2; }
+for value in "$restart_delay" "$max_restart_delay"; do
+  [[ "$value" =~ ^[0-9]{1,6}(\.[0-9]+)?$ ]] || { echo "tpu_pod.sh: RESTART_DELAY and MAX_RESTART_DELAY must be numbers of seconds, 0 or more (got '$value')" >&2; exit 2; }
+done
+max_restarts=$((10#$max_restarts))
 tpu="$1"; zone="$2"; shift 2
 remote_dir=${REMOTE_DIR:-'~/fbt-jax'}
 project_flag=()
@@ -43,11 +64,12 @@ run() {
   [[ $dry_run -eq 1 ]] || "$@"
 }
 
-if [[ $setup -eq 1 ]]; then
+do_setup() {
+  local here
   here=$(cd "$(dirname "$0")/.." && pwd)
   run gcloud compute tpus tpu-vm scp --recurse "$here" "$tpu:$remote_dir" --zone "$zone" "${project_flag[@]}" --worker=all
   run "${ssh[@]}" --command "cd $remote_dir && python3 -m pip install -q -e . 'jax[tpu]'"
-fi
+}
 
 program=${PROGRAM:-fbt-train}
 case "$program" in
@@ -59,6 +81,82 @@ case "$program" in
     ;;
   *) echo "tpu_pod.sh: PROGRAM=$program is not fbt-train, fbt-import or fbt-prepare" >&2; exit 2 ;;
 esac
-# Unbuffered output so every host's progress shows up; only process 0 prints metrics.
-command="cd $remote_dir && ${worker_env}PYTHONUNBUFFERED=1 ${EXTRA_ENV:-} $program $(printf '%q ' "$@")"
-run "${ssh[@]}" --command "$command"
+# Unbuffered output so every host's progress shows up; only process 0 prints metrics. Each worker
+# then reports its exit status in one line.
+command="{ cd $remote_dir && ${worker_env}PYTHONUNBUFFERED=1 ${EXTRA_ENV:-} $program $(printf '%q ' "$@"); }; \
+status=\$?; echo \"[tpu_pod.sh] worker \$(hostname) exited with status \$status\"; exit \$status"
+
+if [[ $dry_run -eq 1 ]]; then
+  [[ $setup -eq 0 ]] || do_setup
+  run "${ssh[@]}" --command "$command"
+  exit 0
+fi
+
+out=$(mktemp "${TMPDIR:-/tmp}/tpu_pod.XXXXXX")
+interrupted=0
+trap 'interrupted=1' INT TERM
+trap 'rm -f "$out"' EXIT
+
+# One attempt on every worker; sets `status` and `why` (for the relaunch line).
+run_attempt() {
+  local ssh_status reported final="" failed="" line
+  status=0; why=""
+  if [[ $attempt -gt 1 && -n "${BEFORE_RELAUNCH:-}" ]]; then
+    echo "[tpu_pod.sh] before relaunch: $BEFORE_RELAUNCH"
+    set +e; bash -c "$BEFORE_RELAUNCH"; status=$?; set -e
+    if [[ $status -ne 0 ]]; then why="BEFORE_RELAUNCH failed"; return; fi
+  fi
+  if [[ $setup -eq 1 ]]; then
+    set +e; (set -e; do_setup); status=$?; set -e
+    if [[ $status -ne 0 ]]; then why="setup failed"; return; fi
+  fi
+  : > "$out"
+  set +e
+  run "${ssh[@]}" --command "$command" | tee "$out"
+  ssh_status=${PIPESTATUS[0]}
+  set -e
+  reported=$(grep -o '\[tpu_pod\.sh\] worker [^ ]* exited with status [0-9]*' "$out" || true)
+  while read -r line; do
+    [[ -n "$line" ]] || continue
+    local worker=${line#\[tpu_pod.sh\] worker }; worker=${worker%% *}
+    local s=${line##* }
+    if [[ -z "$final" ]] && final_status "$s"; then final="$s $worker"; fi
+    if [[ -z "$failed" && $s -ne 0 ]]; then failed="$s $worker"; fi
+  done <<< "$reported"
+  if [[ -n "$final" ]]; then status=${final%% *}; why="worker ${final#* }: status $status"
+  elif [[ -n "$failed" ]]; then
+    status=${failed%% *}
+    if [[ $status -eq 75 ]]; then why="worker ${failed#* }: preempted"; else why="worker ${failed#* }: status $status"; fi
+  elif [[ $ssh_status -ne 0 ]]; then status=$ssh_status; why="gcloud/ssh exited with status $ssh_status: a host went away?"
+  elif [[ -z "$reported" ]]; then status=255; why="no worker reported its exit status: the connection was lost"
+  fi
+}
+# The statuses a relaunch cannot fix (fbt_jax/errors.py EXIT_CODES).
+final_status() { case "$1" in 2|3|4|5|6|130) return 0 ;; *) return 1 ;; esac; }
+backoff() {
+  awk -v d="$restart_delay" -v r="$1" -v cap="$max_restart_delay" \
+    'BEGIN { if (d > cap) cap = d; x = d * 2 ^ (r - 1); if (x > cap) x = cap; printf "%.10g", x }'
+}
+
+attempts=$((max_restarts + 1))
+for ((attempt = 1; ; attempt++)); do
+  run_attempt
+  if [[ $status -eq 0 || $interrupted -eq 1 ]]; then exit "$status"; fi
+  if final_status "$status"; then
+    echo "tpu_pod.sh: attempt $attempt/$attempts ended with status $status ($why); not relaunched: a relaunch cannot fix it" >&2
+    exit "$status"
+  fi
+  if [[ $attempt -ge $attempts ]]; then
+    echo "tpu_pod.sh: attempt $attempt/$attempts ended with status $status ($why); no relaunches left (MAX_RESTARTS=$max_restarts)" >&2
+    exit "$status"
+  fi
+  delay=$(backoff "$attempt")
+  echo "tpu_pod.sh: attempt $attempt/$attempts ended with status $status ($why); relaunching in $delay s" >&2
+  sleep "$delay" &
+  wait $! || true  # a signal to the launcher interrupts the wait at once
+  kill $! 2>/dev/null || true
+  if [[ $interrupted -eq 1 ]]; then
+    echo "tpu_pod.sh: interrupted; not relaunched" >&2
+    exit "$status"
+  fi
+done

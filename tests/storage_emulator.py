@@ -13,7 +13,9 @@ stops it (with everything in it) afterwards.
 One gap of the emulator is filled here (run as `python tests/storage_emulator.py PORT BUCKET`):
 its media downloads carry no `x-goog-generation` header, which tensorstore reads as generation 0
 and then refuses to revalidate ("Malformed StorageGeneration": every checkpoint save failed). The
-download handler is wrapped to send the object's generation, as Cloud Storage does.
+download handler is wrapped to send the object's generation, as Cloud Storage does. And it has no
+Objects: move (`.../moveTo/...`, answered 501), which gcsfs renames with and retries for half a
+minute per directory before it copies and deletes: served here as copy and delete.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ def serve(port: int, bucket: str) -> None:
     import signal
     import threading
 
-    from gcp_storage_emulator import server
+    from gcp_storage_emulator import server, settings
     from gcp_storage_emulator.handlers import objects
 
     logging.disable(logging.CRITICAL)  # one line per request, and tracebacks for clients that hang up
@@ -108,6 +110,22 @@ def serve(port: int, bucket: str) -> None:
         for method, handler in list(handlers.items()):
             if handler is original:
                 handlers[method] = download
+
+    def move(request, response, storage, *args, **kwargs):
+        """Objects: move (what gcsfs renames with), as copy and delete."""
+        request.params["dest_bucket_name"] = request.params["bucket_name"]
+        objects.copy(request, response, storage)
+        if response.status.value == 200:
+            storage.delete_file(request.params["bucket_name"], request.params["object_id"])
+
+    moves = [
+        (
+            rf"^{base}/b/(?P<bucket_name>[-.\w]+)/o/(?P<object_id>.*[^/]+)/moveTo/o/(?P<dest_object_id>.*[^/]+)$",
+            {server.POST: move},
+        )
+        for base in (settings.API_ENDPOINT, "")
+    ]
+    server.HANDLERS = (*moves, *server.HANDLERS)  # before the generic object route that would take it
     emulator = server.create_server("127.0.0.1", port, in_memory=True, default_bucket=bucket)
     stopped = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopped.set())

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from typing import Any
 
 import jax
@@ -35,9 +36,12 @@ SIDECAR_FORMAT = 1
 
 def check_out(out: str) -> None:
     if paths.is_url(out):
-        raise ConfigError(
-            f"OUT={out!r}: fbt-export writes a local directory; export locally, then copy it to the bucket"
-        )
+        paths.check_reachable(out, "OUT", writable=True)
+        from etils import epath
+
+        if epath.Path(out).exists() and any(epath.Path(out).iterdir()):
+            raise ConfigError(f"OUT={out} exists and is not empty; give a new directory (nothing was written)")
+        return
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ConfigError(f"OUT={out} exists and is not an empty directory; give a new directory (nothing was written)")
     paths.check_output_dir(out, "OUT")
@@ -50,6 +54,16 @@ def export_run(run: str, out: str, dtype: str = "", max_shard_size: str = "5GB",
     run, out = paths.resolve(run, "RUN"), paths.resolve(out, "OUT")
     check_out(out)
     max_shard_bytes = _shard_bytes(max_shard_size)
+    if paths.is_url(out):  # written here first, then uploaded with config.json last
+        staging = tempfile.mkdtemp(prefix="fbt-export-")
+        try:
+            files = export_run(run, os.path.join(staging, "model"), dtype, max_shard_size, log=log)
+            for name in sorted(files, key=lambda name: name == "config.json"):
+                _upload(os.path.join(staging, "model", name), f"{out.rstrip('/')}/{name}")
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        log(f"uploaded {len(files)} files to {out}")
+        return files
     if dtype and dtype not in hf_files.EXPORT_DTYPES:
         raise ConfigError(f"--dtype={dtype!r} is unknown; use one of {tuple(hf_files.EXPORT_DTYPES)}")
     flat, config = load_host_params(run, log=log, flag="RUN")
@@ -109,6 +123,14 @@ def export_run(run: str, out: str, dtype: str = "", max_shard_size: str = "5GB",
     return files
 
 
+def _upload(source: str, target: str) -> None:
+    """One file to the bucket, in 16 MiB pieces (a shard is never whole in memory)."""
+    from etils import epath
+
+    with open(source, "rb") as src, epath.Path(target).open("wb") as dst:
+        shutil.copyfileobj(src, dst, 16 * 2**20)
+
+
 def _shard_bytes(text: str) -> int:
     try:
         size = hf_files.parse_size(text)
@@ -149,7 +171,7 @@ def _copy_tokenizer(config: Any, out: str, log: Any) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(prog="fbt-export", description=__doc__.split("\n\n")[0])
     parser.add_argument("run", help="a run's workdir or checkpoint directory (local or gs://)")
-    parser.add_argument("out", help="the Hugging Face directory to create (local, new or empty)")
+    parser.add_argument("out", help="the Hugging Face directory to create (new or empty; local or gs://)")
     parser.add_argument(
         "--dtype", default="", help="float32 | bfloat16 | float16 (default: the imported model's, else float32)"
     )

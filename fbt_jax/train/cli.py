@@ -5,13 +5,18 @@ fbt-train --config=configs/tiny.py --config.workdir=runs/tiny
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 
 from fbt_jax import contraction, distributed, paths, workdir
-from fbt_jax.errors import UsageError, divert_library_noise, reported
+from fbt_jax.errors import EXIT_CODES, PREEMPTED_EXIT_CODE, Preempted, UsageError, divert_library_noise, reported
+from fbt_jax.train import goodput
 from fbt_jax.validation import validate_config
 
 PROG = "fbt-train"
@@ -34,18 +39,23 @@ def main(argv: list[str]) -> None:
 
             print(dry_run(config)[0])
             return
-        paths.check_config_urls(config)
-        divert_library_noise(os.path.join(workdir.local_dir(config.workdir), "fbt-train.log"))
-        distributed.initialize(config.distributed)
-        from fbt_jax.train.trainer import Trainer
+        # From here a SIGTERM (a scheduler's stop, a preemption) ends the run with exit 75, also
+        # before the training loop takes it over: the supervisor runs the same command again.
+        with sigterm_is_a_preemption() as after_distributed:
+            paths.check_config_urls(config)
+            divert_library_noise(os.path.join(workdir.local_dir(config.workdir), "fbt-train.log"))
+            after_distributed(distributed.initialize(config.distributed))
+            from fbt_jax.train.trainer import Trainer
 
-        summary = Trainer(config).train()
+            summary = Trainer(config).train()
     if jax.process_index() == 0:
         print(format_summary(summary))
 
 
 def format_summary(summary: dict[str, Any]) -> str:
     lines = [f"trained {summary['steps']} steps in {summary['train_seconds']:.1f}s"]
+    if "goodput" in summary:
+        lines.append(goodput.describe(summary["goodput"]))
     if summary["eval"]:
         ks = sorted(int(key.split("K")[1]) for key in summary["eval"] if key.startswith("loss_"))
         lines.append("held-out eval (fully fused from position 1):")
@@ -89,3 +99,55 @@ def cli() -> None:
     config_flags.DEFINE_config_file("config", None, "Path to a config file in configs/, e.g. configs/tiny.py.")
     flags.mark_flags_as_required(["config"])
     app.run(main, flags_parser=parse_flags)
+
+
+class SigtermOutsideTheLoop(BaseException):
+    """SIGTERM while no training loop watches for it. A BaseException (like KeyboardInterrupt), so
+    that no `except Exception` on its way takes it for a failure of what it interrupted (the
+    checkpoint restore would judge the checkpoint it was reading damaged)."""
+
+
+@contextlib.contextmanager
+def sigterm_is_a_preemption() -> Iterator[Callable[[bool], None]]:
+    """Within the block, SIGTERM stops fbt-train as a preemption: `Preempted` (exit 75, one line).
+
+    It covers start-up (restoring, compiling) and the clean-up after the loop; the loop's own
+    handler (`hooks.PreemptionWatcher`, which saves first) replaces this one while it runs. The
+    handler raises, like Ctrl-C; a SIGTERM that arrives inside a compile acts when it returns.
+    Call the yielded function with what `distributed.initialize` returned: jax.distributed takes
+    SIGTERM for its preemption notifier, which keeps it with several processes (every process
+    then stops at the same step, and a SIGTERM while they exit does not kill them) and gives it
+    back here with one. A SIGTERM while a do-not-retry error (a config error, a divergence, ...)
+    is on its way out leaves that error standing: a launcher stopping the other processes of a
+    failed run must not make them look preempted.
+    """
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield lambda initialized: None
+        return
+    jax_owns_sigterm = False
+
+    def stop(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop: a second SIGTERM must not cut the unwinding
+        raise SigtermOutsideTheLoop
+
+    def after_distributed(initialized: bool) -> None:
+        nonlocal jax_owns_sigterm
+        if initialized and jax.process_count() > 1:
+            jax_owns_sigterm = True
+        elif initialized:
+            signal.signal(signal.SIGTERM, stop)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield after_distributed
+    except SigtermOutsideTheLoop as err:
+        final = tuple(kind for kind, code, _ in EXIT_CODES if code not in (PREEMPTED_EXIT_CODE, 130))
+        if isinstance(err.__context__, final):
+            raise err.__context__ from None
+        raise Preempted(
+            "stopped by SIGTERM outside the training loop (while starting up or finishing); every checkpoint "
+            "saved so far is intact: run the same command again to resume"
+        ) from None
+    finally:
+        if not jax_owns_sigterm:
+            signal.signal(signal.SIGTERM, previous)

@@ -57,6 +57,21 @@ def use_compilation_cache(directory: str, flag: str = "--config.train.compilatio
     CACHE_HITS.listen()
 
 
+def use_run_cache(config: Any, run: str, log: Any) -> None:
+    """The compilation cache of a trained run, for a command that reads it (fbt-eval, fbt-decode):
+    `run` is its workdir or checkpoint directory. A directory this user cannot write (someone
+    else's run) turns the cache off for this command, with a line saying so."""
+    workdir = run.rstrip("/")
+    if os.path.basename(workdir) == "checkpoints":
+        workdir = os.path.dirname(workdir)
+    directory = compilation_cache_dir(config, workdir)
+    try:
+        use_compilation_cache(directory)
+    except ConfigError as err:
+        log(f"compilation cache off for this command: {err}")
+        use_compilation_cache("")
+
+
 class CacheHits:
     """Counts the programs loaded from the persistent cache (JAX reports each as an event), so a
     compile report can say which programs were loaded rather than compiled."""

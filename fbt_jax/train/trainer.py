@@ -281,7 +281,7 @@ class Trainer:
             ledger.write(force=True)
             time_summary = ledger.summary()
             writer.write_summary(goodput.flat(time_summary))
-            writer.close()
+            hooks.finish(lambda: writer.close(failed), failed, self.log)
             if hasattr(local_batches, "close"):
                 local_batches.close()  # stops prefetch threads / worker processes
             hooks.finish(run_dir.sync, failed, self.log)
