@@ -255,6 +255,29 @@ def prepared(corpus, tmp_path_factory):
     return directory, out, docs
 
 
+# The run the resume tests interrupt (SIGKILL, SIGTERM under the supervisor, a kill in a bucket): K
+# drawn from a mix, so that K changes around every interruption, and a checkpoint every 10 steps.
+RESUME_STEPS, RESUME_EVERY = 120, 10
+RESUME_ARGS = [
+    "--config=configs/tiny.py",
+    f"--config.train.steps={RESUME_STEPS}",
+    "--config.train.log_every=1",
+    "--config.optimizer.warmup_steps=5",
+    "--config.passes.schedule=0:1=0.5,2=0.3,3=0.2",
+    f"--config.checkpoint.every_steps={RESUME_EVERY}",
+    "--config.checkpoint.max_to_keep=2",
+    "--config.eval.num_batches=0",
+]
+
+
+@pytest.fixture(scope="session")
+def resume_reference(tmp_path_factory):
+    """RESUME_ARGS run uninterrupted on one device: what every interrupted run must end equal to."""
+    workdir = str(tmp_path_factory.mktemp("resume") / "reference")
+    run_command(["fbt-train", *RESUME_ARGS, f"--config.workdir={workdir}"], cpu_env(1), check=True)
+    return workdir
+
+
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory):
     """A tiny run trained by fbt-train for 40 steps (K up to 3), for fbt-eval and fbt-decode."""

@@ -22,22 +22,21 @@ import urllib.request
 
 import numpy as np
 import pytest
-from conftest import assert_same_state, cpu_env, run_command, start_command, wait_for
+from conftest import (
+    RESUME_ARGS,
+    RESUME_EVERY,
+    RESUME_STEPS,
+    assert_same_state,
+    cpu_env,
+    run_command,
+    start_command,
+    wait_for,
+)
 from storage_emulator import emulated_bucket, free_port
 
 BUCKET = "fbt-test"
-STEPS, EVERY = 40, 10
-COMMAND = [
-    "fbt-train",
-    "--config=configs/tiny.py",
-    f"--config.train.steps={STEPS}",
-    "--config.train.log_every=1",
-    "--config.optimizer.warmup_steps=5",
-    "--config.passes.schedule=0:1=0.5,2=0.3,3=0.2",
-    f"--config.checkpoint.every_steps={EVERY}",
-    "--config.checkpoint.max_to_keep=2",
-    "--config.eval.num_batches=0",
-]
+STEPS, EVERY = RESUME_STEPS, RESUME_EVERY
+COMMAND = ["fbt-train", *RESUME_ARGS]
 
 
 @pytest.fixture(scope="module")
@@ -96,12 +95,11 @@ def saves_in_flight(env, prefix: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def killed_run(bucket, tmp_path_factory):
+def killed_run(bucket, tmp_path_factory, resume_reference):
     """A gs:// run SIGKILLed while an asynchronous save is in flight, then resumed on another host,
     and the same run uninterrupted in a local workdir."""
     base = tmp_path_factory.mktemp("bucket")
-    reference = str(base / "reference")
-    run_command([*COMMAND, f"--config.workdir={reference}"], cpu_env(1), check=True)
+    reference = resume_reference
     run = "runs/killed"
     command = [*COMMAND, f"--config.workdir=gs://{BUCKET}/{run}"]
     proc = start_command(command, host(bucket, base, "host-a"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)

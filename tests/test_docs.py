@@ -54,6 +54,12 @@ RUNS = [
     ),
     ("docs/decoding.md", "fbt-eval --checkpoint=runs/tiny --output=runs/tiny/eval", "", "wrote "),
     (
+        "docs/operations.md",
+        "fbt-train --config=configs/tiny.py --config.workdir=runs/profiled --config.train.steps=40 --config.train.profile_steps=20:22",
+        "",
+        "profile: trace written to",
+    ),
+    (
         "docs/config.md",
         'fbt-train --config=configs/tiny.py --config.workdir=runs/schedule --config.train.steps=100 --config.passes.schedule="0:1; 0.5:2"',
         "",

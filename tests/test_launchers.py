@@ -18,6 +18,8 @@ import time
 
 import pytest
 from conftest import (
+    RESUME_ARGS,
+    RESUME_STEPS,
     ROOT,
     assert_same_state,
     checkpointed_config,
@@ -335,17 +337,7 @@ def test_sigterm_during_a_restore_sets_no_checkpoint_aside(tmp_path, monkeypatch
 
 # --- the real supervised run ------------------------------------------------------------------------------
 
-STEPS, EVERY = 120, 10
-TRAIN = [
-    "--config=configs/tiny.py",
-    f"--config.train.steps={STEPS}",
-    "--config.train.log_every=1",
-    "--config.optimizer.warmup_steps=5",
-    "--config.passes.schedule=0:1=0.5,2=0.3,3=0.2",
-    f"--config.checkpoint.every_steps={EVERY}",
-    "--config.checkpoint.max_to_keep=2",
-    "--config.eval.num_batches=0",
-]
+STEPS, TRAIN = RESUME_STEPS, RESUME_ARGS
 LOCAL = ["launch/local.sh", "--devices-per-process", "1"]
 
 
@@ -392,11 +384,9 @@ class Collected:
 
 
 @pytest.mark.slow
-def test_supervised_run_sigtermed_three_times_ends_as_if_never_stopped(tmp_path):
+def test_supervised_run_sigtermed_three_times_ends_as_if_never_stopped(tmp_path, resume_reference):
     env = cpu_env(1, PYTHONUNBUFFERED="1")
-    reference = str(tmp_path / "reference")
-    done = run_command([*LOCAL, "1", *TRAIN, f"--config.workdir={reference}"], env, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
+    reference = resume_reference  # the same run, uninterrupted, without the launcher
     workdir = str(tmp_path / "supervised")
     rng = random.Random(20261221)
     # SIGTERM fbt-train (not the launcher) after a seeded number of logged steps in the first and

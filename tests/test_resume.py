@@ -9,20 +9,20 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import assert_same_state, cpu_env, losses, read_jsonl, run_command, start_command, wait_for
+from conftest import (
+    RESUME_ARGS,
+    RESUME_STEPS,
+    assert_same_state,
+    cpu_env,
+    losses,
+    read_jsonl,
+    run_command,
+    start_command,
+    wait_for,
+)
 
-STEPS, EVERY = 120, 10
-COMMAND = [
-    "fbt-train",
-    "--config=configs/tiny.py",
-    f"--config.train.steps={STEPS}",
-    "--config.train.log_every=1",
-    "--config.optimizer.warmup_steps=5",
-    "--config.passes.schedule=0:1=0.5,2=0.3,3=0.2",  # K changes every few steps, so around every kill
-    f"--config.checkpoint.every_steps={EVERY}",
-    "--config.checkpoint.max_to_keep=2",
-    "--config.eval.num_batches=0",
-]
+STEPS = RESUME_STEPS
+COMMAND = ["fbt-train", *RESUME_ARGS]
 
 
 def logged_steps(workdir):
@@ -36,9 +36,8 @@ def saving_now(workdir):
 
 
 @pytest.mark.slow
-def test_sigkill_at_random_moments_resumes_bitwise(tmp_path):
-    reference = str(tmp_path / "reference")
-    run_command([*COMMAND, f"--config.workdir={reference}"], cpu_env(), check=True)
+def test_sigkill_at_random_moments_resumes_bitwise(tmp_path, resume_reference):
+    reference = resume_reference
     workdir = str(tmp_path / "killed")
     command = [*COMMAND, f"--config.workdir={workdir}"]
     rng = random.Random(20261201)

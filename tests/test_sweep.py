@@ -2,6 +2,7 @@
 bad specs are one line, a killed sweep resumes to the same numbers without retraining what was
 done, and the report gathers every run (issue #11)."""
 
+import csv
 import json
 import os
 import signal
@@ -199,6 +200,9 @@ def test_a_killed_sweep_resumes_to_the_same_numbers_and_reports(tmp_path):
     assert report.returncode == 0, report.stderr
     rows = open(interrupted / "results.csv").read().splitlines()
     assert len(rows) == 4 and rows[0].startswith("run,label.schedule")
+    with open(interrupted / "results.csv") as f:
+        for row in csv.DictReader(f):  # time over every attempt of the run's (interrupted) jobs
+            assert 0 < float(row["goodput"]) < 1 and float(row["wall_seconds"]) > float(row["seconds"]) / 10
     table = open(interrupted / "results.md").read()
     assert "| schedule=heavy | 1 |" in table and "loss_K3" in table
     for plot in ("loss_vs_tokens.png", "final_vs_mixture.png"):

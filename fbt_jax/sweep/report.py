@@ -57,6 +57,16 @@ def gather(sweep_dir: SweepDirectory, sweep: Sweep, jobs: list[Job]) -> list[dic
             values = [r[key] for r in curve if key in r]
             row[f"best_{key}"] = min(values) if key.startswith("loss") else max(values)
         row |= {"tokens": cfg.train.steps * tokens_per_step, "train_flops": flops, "seconds": seconds}
+        # Where the time went, over every attempt of the run's jobs (goodput.py's record of each).
+        times = [
+            s["goodput"]
+            for s in (read_json(os.path.join(j.workdir, "summary.json")) for j in chain)
+            if s and "goodput" in s
+        ]
+        if len(times) == len(chain):
+            wall = sum(t["wall_seconds"] for t in times)
+            row["wall_seconds"] = wall
+            row["goodput"] = sum(t["seconds"]["steps"] for t in times) / wall if wall else 0.0
         row["mean_num_passes"] = float(np.mean(ks))
         row["curve"] = [(r["step"] * tokens_per_step, r) for r in curve]
         row["overrides"] = run.overrides
@@ -96,17 +106,21 @@ def markdown_table(rows: list[dict[str, Any]], total_runs: int) -> str:
     lines = [
         f"{len(rows)} of {total_runs} runs finished; mean ± std over seeds (n per row), final held-out metrics.",
         "",
-        "| runs | n | mean K | " + " | ".join(m.removeprefix("final_") for m in metrics) + " | TFLOPs | seconds |",
-        "|---|---|---|" + "---|" * len(metrics) + "---|---|",
+        "| runs | n | mean K | "
+        + " | ".join(m.removeprefix("final_") for m in metrics)
+        + " | TFLOPs | seconds | goodput |",
+        "|---|---|---|" + "---|" * len(metrics) + "---|---|---|",
     ]
     for key, members in groups.items():
         cells = [_mean_std([r.get(m) for r in members]) for m in metrics]
         flops = np.mean([r["train_flops"] for r in members]) / 1e12
         seconds = np.mean([r["seconds"] for r in members])
+        goodput = [r["goodput"] for r in members if "goodput" in r]
+        shown = f"{100 * np.mean(goodput):.1f}%" if len(goodput) == len(members) else "–"
         lines.append(
             f"| {key} | {len(members)} | {members[0]['mean_num_passes']:.2f} | "
             + " | ".join(cells)
-            + f" | {flops:.3g} | {seconds:.0f} |"
+            + f" | {flops:.3g} | {seconds:.0f} | {shown} |"
         )
     return "\n".join(lines) + "\n"
 

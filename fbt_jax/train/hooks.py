@@ -1,4 +1,5 @@
-"""The training loop's hooks: metrics and progress, checkpoints, evaluation; and preemption.
+"""The training loop's hooks: metrics and progress, checkpoints, evaluation, the profiler window;
+and preemption.
 
 Each is one concern behind the small `loop.Hook` interface. `Trainer` lists them in the order
 they must see a step: the logger (which refuses a non-finite loss), then the checkpoint hook
@@ -7,6 +8,7 @@ they must see a step: the logger (which refuses a non-finite loss), then the che
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -251,3 +253,44 @@ def progress_bar(total: int, enabled: bool, initial: int = 0) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+
+class Profiler(Hook):
+    """Traces steps START..END with `jax.profiler` into `directory` (TensorBoard's profile plugin
+    reads it; `perfetto_trace.json.gz` opens in ui.perfetto.dev). The trace starts once step
+    START-1 has been dispatched and stops when step END's results are ready."""
+
+    def __init__(self, window: tuple[int, int], directory: str, start_step: int, log: Any):
+        self.first, self.last = window
+        self.directory, self.log = directory, log
+        self.tracing = False
+        if start_step >= self.last:
+            log(f"profile: steps {self.first}–{self.last} ran before this run resumed at step {start_step}; not traced")
+        elif start_step >= self.first - 1:
+            self._start(start_step + 1)
+
+    def _start(self, step: int) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+        self.tracing = True
+        self.log(f"profile: tracing steps {step}–{self.last} into {self.directory}")
+
+    def on_step(self, end: StepEnd) -> None:
+        if end.step == self.first - 1 and not self.tracing:
+            self._start(self.first)
+
+    def wants(self, end: StepEnd) -> bool:
+        return self.tracing and end.step == self.last
+
+    def on_interval(self, end: StepEnd, record: dict[str, float], state: TrainState) -> None:
+        jax.block_until_ready(state)
+        self._stop()
+
+    def _stop(self) -> None:
+        jax.profiler.stop_trace()
+        self.tracing = False
+        self.log(f"profile: trace written to {self.directory} (tensorboard --logdir {self.directory}, or Perfetto)")
+
+    def close(self, failed: bool) -> None:
+        if self.tracing:  # the run stopped inside the window: keep what was traced
+            self._stop()

@@ -1,6 +1,6 @@
 """Run-time services around the training loop, none of them part of its math: the persistent
-compilation cache (a restart loads its compiled programs instead of compiling them again) and a
-profiler window (a `jax.profiler` trace of chosen steps).
+compilation cache (a restart loads its compiled programs instead of compiling them again) and the
+profiler window's setting (the hook that traces it is `hooks.Profiler`).
 
 The cache is JAX's own: the key covers the program, the compiler flags, the devices and the JAX
 version, so a cached program is the program that would have been compiled, and training resumed
@@ -19,8 +19,6 @@ import jax
 
 from fbt_jax import paths
 from fbt_jax.errors import ConfigError
-from fbt_jax.train.loop import Hook, StepEnd
-from fbt_jax.train.step import TrainState
 
 CACHE_SUBDIR = "compilation_cache"
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
@@ -112,44 +110,3 @@ def parse_profile_steps(value: str, steps: int) -> tuple[int, int] | None:
             f"train.profile_steps={value!r} is outside the run's steps; give 1 <= START <= END <= train.steps={steps}"
         )
     return window
-
-
-class Profiler(Hook):
-    """Traces steps START..END with `jax.profiler` into `directory` (TensorBoard's profile plugin
-    reads it; `perfetto_trace.json.gz` opens in ui.perfetto.dev). The trace starts once step
-    START-1 has been dispatched and stops when step END's results are ready."""
-
-    def __init__(self, window: tuple[int, int], directory: str, start_step: int, log: Any):
-        self.first, self.last = window
-        self.directory, self.log = directory, log
-        self.tracing = False
-        if start_step >= self.last:
-            log(f"profile: steps {self.first}–{self.last} ran before this run resumed at step {start_step}; not traced")
-        elif start_step >= self.first - 1:
-            self._start(start_step + 1)
-
-    def _start(self, step: int) -> None:
-        os.makedirs(self.directory, exist_ok=True)
-        jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
-        self.tracing = True
-        self.log(f"profile: tracing steps {step}–{self.last} into {self.directory}")
-
-    def on_step(self, end: StepEnd) -> None:
-        if end.step == self.first - 1 and not self.tracing:
-            self._start(self.first)
-
-    def wants(self, end: StepEnd) -> bool:
-        return self.tracing and end.step == self.last
-
-    def on_interval(self, end: StepEnd, record: dict[str, float], state: TrainState) -> None:
-        jax.block_until_ready(state)
-        self._stop()
-
-    def _stop(self) -> None:
-        jax.profiler.stop_trace()
-        self.tracing = False
-        self.log(f"profile: trace written to {self.directory} (tensorboard --logdir {self.directory}, or Perfetto)")
-
-    def close(self, failed: bool) -> None:
-        if self.tracing:  # the run stopped inside the window: keep what was traced
-            self._stop()

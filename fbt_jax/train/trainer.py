@@ -245,7 +245,7 @@ class Trainer:
             run_hooks.append(goodput.Timed(evaluator, ledger, "eval"))
         window = services.parse_profile_steps(cfg.train.profile_steps, cfg.train.steps)
         if window:
-            run_hooks.append(services.Profiler(window, run_dir.path("profile"), start_step, self.log))
+            run_hooks.append(hooks.Profiler(window, run_dir.path("profile"), start_step, self.log))
         run_hooks.append(goodput.LedgerWriter(ledger, logger.wants, saver.saves if saver else lambda end: False))
         d = cfg.data
         local_batches = batch_iterator(self.step_batches("train", batch_size), start_step, d.num_workers, d.prefetch)
