@@ -336,6 +336,14 @@ CASES = [
         r"workdir='.*a-file/run' cannot be created: .*a-file is a file; give a directory",
     ),
     case(
+        "train-compilation-cache-is-a-file",
+        [*NEW, "--config.train.compilation_cache_dir={file}"],
+        2,
+        r"--config.train.compilation_cache_dir='.*a-file' is a file; give a directory",
+    ),
+    case("train-profile-window-outside", [*NEW, "--config.train.profile_steps=2:99"], 2, r"outside the run's steps"),
+    case("train-profile-window-malformed", [*NEW, "--config.train.profile_steps=10"], 2, r"is not START:END; give"),
+    case(
         "train-checkpoint-dir-is-a-file",
         [*NEW, "--config.checkpoint.dir={file}"],
         2,

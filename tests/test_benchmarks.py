@@ -27,6 +27,7 @@ BENCHMARKS = {
     "sweep_cost": "ratio",
     "gpu_check": "checks",
     "interop_memory": "export",
+    "restart_cost": "start_up",
 }
 # These quote what a command printed (a fenced text block) rather than a table.
 QUOTES_OUTPUT = {"first_run", "dry_run_memory"}

@@ -1,0 +1,79 @@
+"""Run-time services: the time ledger of a run over its attempts (goodput.py) and the profiler
+window (hooks.Profiler). The compilation cache is tested through restarts in tests/test_bucket.py
+and benchmarks/restart_cost.py."""
+
+import glob
+import gzip
+import json
+import os
+import time
+
+import pytest
+from conftest import checkpointed_config
+
+from fbt_jax.errors import ConfigError
+from fbt_jax.train import goodput
+from fbt_jax.train.services import parse_profile_steps
+from fbt_jax.train.trainer import Trainer
+
+
+def test_ledger_accounts_each_attempt_and_recomputed_steps_pro_rata(tmp_path):
+    first = goodput.Ledger(str(tmp_path), start_step=0, started=time.time() - 20.0)
+    first.add("compile", 3.0)
+    first.add("data_wait", 1.0)
+    first.step = 50  # killed after step 50, with checkpoint 40 saved
+    first.close_loop(11.0)  # 11 s in the loop, 1 s of it waiting for data
+    first.write(force=True)
+    assert first.seconds["steps"] == pytest.approx(10.0) and first.seconds["recomputed"] == 0.0
+
+    second = goodput.Ledger(str(tmp_path), start_step=40, started=time.time() - 30.0)
+    assert second.furthest == 50  # from the first attempt's line
+    second.add("checkpoint", 2.0)
+    second.step = 100
+    second.close_loop(14.0)  # 12 s of steps: 10 of the 60 steps were run before
+    assert second.seconds["recomputed"] == pytest.approx(2.0) and second.seconds["steps"] == pytest.approx(10.0)
+    second.write(force=True)
+
+    lines = goodput.read_ledger(os.path.join(tmp_path, goodput.LEDGER_NAME))
+    assert [a["attempt"] for a in lines] == [1, 2] and [a["end_step"] for a in lines] == [50, 100]
+    summary = second.summary()
+    assert summary["attempts"] == 2
+    assert summary["seconds"]["steps"] == pytest.approx(20.0)
+    assert summary["wall_seconds"] == pytest.approx(50.0, abs=0.5)  # each attempt from its own start
+    assert summary["goodput"] == pytest.approx(20.0 / summary["wall_seconds"])
+    for attempt in lines:  # every second of an attempt is in exactly one category
+        assert sum(attempt["seconds"].values()) == pytest.approx(attempt["wall_seconds"], rel=1e-6)
+    assert set(goodput.flat(summary)) >= {"goodput", "wall_seconds", "seconds/recomputed"}
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_profile_window_is_none(value):
+    assert parse_profile_steps(value, 10) is None
+
+
+@pytest.mark.parametrize("value", ["0:2", "3:2", "5:11", "a:b", "4"])
+def test_a_bad_profile_window_is_refused(value):
+    with pytest.raises(ConfigError, match="train.profile_steps"):
+        parse_profile_steps(value, 10)
+
+
+def test_profile_window_traces_its_steps_and_a_resume_past_it_traces_nothing(tmp_path):
+    config = checkpointed_config(tmp_path, steps=6)
+    config.train.profile_steps = "3:4"
+    messages = []
+    summary = Trainer(config, log=messages.append).train(progress=False)
+    traces = glob.glob(os.path.join(config.workdir, "profile", "plugins", "profile", "*", "perfetto_trace.json.gz"))
+    assert len(traces) == 1, messages
+    with gzip.open(traces[0]) as f:
+        events = json.load(f)["traceEvents"]
+    steps = [e for e in events if e.get("name") == "PjitFunction(jit(train_step))"]
+    assert 2 <= len(steps) <= 4, len(steps)  # the window's two steps (a dispatch may show as two nested events)
+    assert any(m.startswith("profile: tracing steps 3–4") for m in messages)
+    time_summary = summary["goodput"]
+    assert time_summary["attempts"] == 1 and 0 < time_summary["goodput"] < 1
+
+    config.train.steps = 8  # resume at 6: the window has passed
+    messages.clear()
+    Trainer(config, log=messages.append).train(progress=False)
+    assert any("ran before this run resumed at step 6; not traced" in m for m in messages), messages
+    assert len(glob.glob(os.path.join(config.workdir, "profile", "plugins", "profile", "*"))) == 1
