@@ -133,7 +133,8 @@ def test_bucket_run_killed_during_an_async_save_resumes_on_another_host_bitwise(
     assert_same_state(f"{reference}/checkpoints/{STEPS}", f"gs://{BUCKET}/{run}/checkpoints/{STEPS}")
     ledger = [json.loads(line) for line in read_object(bucket, f"{run}/goodput.jsonl").decode().splitlines()]
     assert [a["attempt"] for a in ledger] == [1, 2] and ledger[1]["start_step"] == resumed_step
-    assert ledger[1]["seconds"]["recomputed"] > 0  # steps the killed attempt had run past its checkpoint
+    # How far the killed attempt ran is known from the bucket only up to its last sync of the logs.
+    assert ledger[0]["end_step"] >= resumed_step and ledger[1]["end_step"] == STEPS
     summary = json.loads(read_object(bucket, f"{run}/summary.json"))
     assert summary["goodput"]["attempts"] == 2 and 0 < summary["goodput"]["goodput"] < 1
 

@@ -55,7 +55,7 @@ RUNS = [
     ("docs/decoding.md", "fbt-eval --checkpoint=runs/tiny --output=runs/tiny/eval", "", "wrote "),
     (
         "docs/operations.md",
-        "fbt-train --config=configs/tiny.py --config.workdir=runs/profiled --config.train.steps=40 --config.train.profile_steps=20:22",
+        "fbt-train --config=configs/tiny.py --config.workdir=runs/profiled --config.train.steps=100 --config.train.profile_steps=60:62",
         "",
         "profile: trace written to",
     ),

@@ -9,12 +9,11 @@ import os
 import time
 
 import pytest
-from conftest import checkpointed_config
+from conftest import cpu_env, run_command, train_argv
 
 from fbt_jax.errors import ConfigError
 from fbt_jax.train import goodput
 from fbt_jax.train.services import parse_profile_steps
-from fbt_jax.train.trainer import Trainer
 
 
 def test_ledger_accounts_each_attempt_and_recomputed_steps_pro_rata(tmp_path):
@@ -58,22 +57,23 @@ def test_a_bad_profile_window_is_refused(value):
 
 
 def test_profile_window_traces_its_steps_and_a_resume_past_it_traces_nothing(tmp_path):
-    config = checkpointed_config(tmp_path, steps=6)
-    config.train.profile_steps = "3:4"
-    messages = []
-    summary = Trainer(config, log=messages.append).train(progress=False)
-    traces = glob.glob(os.path.join(config.workdir, "profile", "plugins", "profile", "*", "perfetto_trace.json.gz"))
-    assert len(traces) == 1, messages
+    # In its own process: a profiler session in the test process would outlive the run's threads.
+    workdir = str(tmp_path / "run")
+    argv = train_argv(workdir, "--config.train.steps=6", "--config.checkpoint.every_steps=2")
+    result = run_command([*argv, "--config.train.profile_steps=3:4"], cpu_env(1))
+    assert result.returncode == 0, result.stderr[-2000:]
+    traces = glob.glob(os.path.join(workdir, "profile", "plugins", "profile", "*", "perfetto_trace.json.gz"))
+    assert len(traces) == 1, result.stdout
     with gzip.open(traces[0]) as f:
         events = json.load(f)["traceEvents"]
     steps = [e for e in events if e.get("name") == "PjitFunction(jit(train_step))"]
     assert 2 <= len(steps) <= 4, len(steps)  # the window's two steps (a dispatch may show as two nested events)
-    assert any(m.startswith("profile: tracing steps 3–4") for m in messages)
-    time_summary = summary["goodput"]
+    assert "profile: tracing steps 3–4" in result.stdout
+    with open(os.path.join(workdir, "summary.json")) as f:
+        time_summary = json.load(f)["goodput"]
     assert time_summary["attempts"] == 1 and 0 < time_summary["goodput"] < 1
 
-    config.train.steps = 8  # resume at 6: the window has passed
-    messages.clear()
-    Trainer(config, log=messages.append).train(progress=False)
-    assert any("ran before this run resumed at step 6; not traced" in m for m in messages), messages
-    assert len(glob.glob(os.path.join(config.workdir, "profile", "plugins", "profile", "*"))) == 1
+    resumed = run_command([*argv, "--config.train.steps=8", "--config.train.profile_steps=3:4"], cpu_env(1))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "ran before this run resumed at step 6; not traced" in resumed.stdout
+    assert len(glob.glob(os.path.join(workdir, "profile", "plugins", "profile", "*"))) == 1

@@ -238,7 +238,12 @@ class Trainer:
         # Hooks that add to a step's record (throughput, the monitor) come before the logger writes it.
         timed_monitor = goodput.Timed(monitor, ledger, "eval") if monitor else None
         timed_saver = goodput.Timed(saver, ledger, "checkpoint") if saver else None
-        run_hooks: list[hooks.Hook] = [h for h in (throughput, timed_monitor, logger, timed_saver) if h is not None]
+        # The ledger is written before a save syncs the logs to a bucket, so the bucket's copy knows
+        # how far this attempt ran (the steps a resume on another host recomputes).
+        ledger_writer = goodput.LedgerWriter(ledger, logger.wants, saver.saves if saver else lambda end: False)
+        run_hooks: list[hooks.Hook] = [
+            h for h in (throughput, timed_monitor, logger, ledger_writer, timed_saver) if h is not None
+        ]
         evaluator = None
         if self.programs.eval is not None:
             evaluator = hooks.Evaluator(self.evaluate, writer, cfg.eval.every_steps, self.log)
@@ -246,7 +251,6 @@ class Trainer:
         window = services.parse_profile_steps(cfg.train.profile_steps, cfg.train.steps)
         if window:
             run_hooks.append(hooks.Profiler(window, run_dir.path("profile"), start_step, self.log))
-        run_hooks.append(goodput.LedgerWriter(ledger, logger.wants, saver.saves if saver else lambda end: False))
         d = cfg.data
         local_batches = batch_iterator(self.step_batches("train", batch_size), start_step, d.num_workers, d.prefetch)
         global_batches = ledger.batches(self.to_global(rows, batch_size) for rows in local_batches)
