@@ -52,10 +52,9 @@ def main(argv: list[str] | None = None) -> None:
         # threads ("Event loop is closed"); the failure is reported as one line instead.
         divert_library_noise(os.devnull)
 
-        model, config = load_model(paths.resolve(args.checkpoint, "--checkpoint"), log=lambda *_: None)
-        use_run_cache(
-            config, paths.resolve(args.checkpoint, "--checkpoint"), log=lambda line: print(line, file=sys.stderr)
-        )
+        checkpoint = paths.resolve(args.checkpoint, "--checkpoint")
+        model, config = load_model(checkpoint, log=lambda *_: None)
+        use_run_cache(config, checkpoint, log=lambda line: print(line, file=sys.stderr))
         encode, render = codec(config)
         encoded = [encode(p) for p in prompts]
         lengths = np.array([len(e) for e in encoded])

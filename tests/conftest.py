@@ -25,6 +25,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import glob  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -148,6 +149,12 @@ def run_command(argv: list[str], env=None, cwd=ROOT, timeout=None, **kwargs) -> 
 def start_command(argv: list[str], env=None, cwd=ROOT, **kwargs) -> subprocess.Popen:
     """Start `argv` (see `command`) from `cwd`, in text mode; `kwargs` go to Popen (stdout=...)."""
     return subprocess.Popen(command(argv), cwd=cwd, env=env, text=True, **kwargs)
+
+
+def last_line(text: str) -> str:
+    """The last non-empty line of a command's output (after a progress bar's carriage returns):
+    where every fbt-* command reports its one-line error."""
+    return [line for line in re.split(r"[\r\n]", text) if line.strip()][-1]
 
 
 def wait_for(predicate, timeout=300):

@@ -24,6 +24,7 @@ from conftest import (
     assert_same_state,
     checkpointed_config,
     cpu_env,
+    last_line,
     losses,
     read_jsonl,
     run_command,
@@ -114,10 +115,6 @@ RESTART = re.compile(r"^local\.sh: attempt (\d+)/(\d+) ended with status (\d+) \
 def restart_lines(stderr: str) -> list[tuple[int, int, int, str, float]]:
     found = [RESTART.match(line) for line in re.split(r"[\r\n]", stderr)]
     return [(int(m[1]), int(m[2]), int(m[3]), m[4], float(m[5])) for m in found if m]
-
-
-def last_line(text: str) -> str:
-    return [line for line in re.split(r"[\r\n]", text) if line.strip()][-1]
 
 
 # --- launch/local.sh: the supervisor -----------------------------------------------------------------------

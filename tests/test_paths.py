@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from conftest import ROOT, cpu_env, load_config, run_command
+from conftest import ROOT, cpu_env, last_line, load_config, run_command
 
 from fbt_jax import paths
 from fbt_jax.errors import ConfigError
@@ -144,7 +144,7 @@ def test_a_bucket_without_write_permission_is_one_line_before_any_work(cloud, tm
         timeout=300,
     )
     assert result.returncode == 2, result.stderr[-2000:]
-    last = [line for line in result.stderr.splitlines() if line.strip()][-1]
+    last = last_line(result.stderr)
     assert last.startswith(
         f"fbt-train: config error: --config.workdir='gs://{cloud.READ_ONLY}/run': cannot write to bucket "
         f"gs://{cloud.READ_ONLY} ("
@@ -165,7 +165,7 @@ def test_an_unreachable_emulator_is_one_line_at_once(tmp_path):
         timeout=300,
     )
     assert result.returncode == 2, result.stderr[-2000:]
-    last = [line for line in result.stderr.splitlines() if line.strip()][-1]
+    last = last_line(result.stderr)
     assert last.startswith(
         f"fbt-train: config error: --config.workdir='gs://fbt-test/run': cannot reach the storage emulator "
         f"STORAGE_EMULATOR_HOST={url} ("

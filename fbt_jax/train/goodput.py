@@ -67,6 +67,7 @@ class Ledger:
         # The furthest step an earlier attempt ran: steps up to it are run again by this one.
         self.furthest = max([start_step, *(a["end_step"] for a in self.earlier)])
         self._written = 0.0
+        self.loop_started: float | None = None  # perf_counter() when the training loop began
 
     def add(self, category: str, seconds: float) -> None:
         self.seconds[category] += seconds
@@ -97,9 +98,18 @@ class Ledger:
                 return
             yield batch
 
-    def close_loop(self, loop_seconds: float) -> None:
+    def start_loop(self) -> None:
+        """The loop begins: everything since the process started that no category claimed yet is
+        start-up."""
+        self.add("startup", time.time() - self.started - sum(self.seconds.values()))
+        self.loop_started = time.perf_counter()
+
+    def close_loop(self, loop_seconds: float | None = None) -> None:
         """Account the loop's own time as step time: all but the data, eval and checkpoint seconds
-        inside it (`loop_seconds` from its start), split into new and recomputed steps."""
+        inside it (`loop_seconds`, by default since `start_loop`), split into new and recomputed
+        steps."""
+        if loop_seconds is None:
+            loop_seconds = time.perf_counter() - self.loop_started if self.loop_started is not None else 0.0
         inside = self.seconds["data_wait"] + self.seconds["eval"] + self.seconds["checkpoint"]
         step_seconds = max(loop_seconds - inside, 0.0)
         ran = self.step - self.start_step
@@ -161,7 +171,6 @@ class LedgerWriter(Hook):
 
     def __init__(self, ledger: Ledger, when: Callable[[StepEnd], bool], saves: Callable[[StepEnd], bool]):
         self.ledger, self.when, self.saves = ledger, when, saves
-        self.loop_started = time.perf_counter()
 
     def on_step(self, end: StepEnd) -> None:
         self.ledger.step = end.step
@@ -170,7 +179,7 @@ class LedgerWriter(Hook):
         return self.when(end) or self.saves(end)
 
     def on_interval(self, end: StepEnd, record: dict[str, float], state: TrainState) -> None:
-        self.ledger.close_loop(time.perf_counter() - self.loop_started)
+        self.ledger.close_loop()
         self.ledger.write(force=self.saves(end) or end.last or end.stopping)
 
 

@@ -255,7 +255,7 @@ class Trainer:
         local_batches = batch_iterator(self.step_batches("train", batch_size), start_step, d.num_workers, d.prefetch)
         global_batches = ledger.batches(self.to_global(rows, batch_size) for rows in local_batches)
         preemption = hooks.PreemptionWatcher(checkpointer)
-        ledger.add("startup", time.time() - ledger.started - sum(ledger.seconds.values()))
+        ledger.start_loop()
         start_time = time.perf_counter()
         failed = True
         try:
@@ -281,7 +281,7 @@ class Trainer:
             preemption.close()
             for hook in run_hooks:
                 hooks.finish(lambda hook=hook: hook.close(failed), failed, self.log)
-            ledger.close_loop(time.perf_counter() - start_time)
+            ledger.close_loop()
             ledger.write(force=True)
             time_summary = ledger.summary()
             writer.write_summary(goodput.flat(time_summary))
