@@ -144,3 +144,22 @@ def divert_library_noise(log_path: str) -> None:
         previous(unraisable)
 
     sys.unraisablehook = hook
+
+    # A read aborted by a damaged checkpoint can leave a storage coroutine unawaited, which Python
+    # reports as a RuntimeWarning when it is collected (at exit, after the one-line error).
+    import warnings
+
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+        if issubclass(category, RuntimeWarning) and "was never awaited" in str(message):
+            try:
+                os.makedirs(os.path.dirname(log_path), exist_ok=True)
+                with open(log_path, "a", encoding="utf-8") as f:
+                    f.write(warnings.formatwarning(message, category, filename, lineno, line))
+            except OSError:
+                pass  # best effort, as above
+            return
+        shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show

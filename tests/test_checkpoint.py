@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -216,3 +217,23 @@ def test_a_step_is_saved_once_even_when_asked_twice(tmp_path):
     checkpointer.wait()
     assert checkpointer.steps() == [2]
     checkpointer.close()
+
+
+def test_a_storage_coroutine_left_unawaited_goes_to_the_log_not_the_terminal(tmp_path):
+    """After a damaged read's one-line error, Python's "coroutine ... was never awaited" warning at
+    exit (an aborted storage read) must not become the command's last line."""
+    log = tmp_path / "cmd.log"
+    code = (
+        "import gc, sys, warnings\n"
+        "from fbt_jax.errors import divert_library_noise\n"
+        "divert_library_noise(sys.argv[1])\n"
+        "async def read(): pass\n"
+        "pending = read(); del pending; gc.collect()\n"
+        "warnings.warn('another warning', RuntimeWarning)\n"
+        "print('fbt-decode: checkpoint error: one line', file=sys.stderr)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(log)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines()[-1] == "fbt-decode: checkpoint error: one line"
+    assert "never awaited" not in result.stderr and "another warning" in result.stderr  # other warnings stand
+    assert "coroutine 'read' was never awaited" in log.read_text()
