@@ -283,3 +283,28 @@ def test_resuming_with_other_settings_is_one_line_and_keeps_what_is_there(
         ConfigError, match=r"holds an unfinished preparation \(no meta.json yet\); run the same fbt-prepare"
     ):
         records.read_meta(out)
+
+
+def test_a_stop_while_the_workers_start_is_held_until_they_have_started():
+    # CI once saw a SIGTERM land between a worker's spawn and its start-up data: the worker died
+    # with a traceback after the one-line error. The stop now waits for the block to end.
+    from fbt_jax.data.workers import sigterm_held
+
+    class Stopped(Exception):
+        pass
+
+    def stop(signum, frame):
+        raise Stopped
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    reached = []
+    try:
+        with pytest.raises(Stopped):
+            with sigterm_held():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)  # the handler would have run here
+                reached.append("end of block")
+            time.sleep(1)  # the held stop is delivered after the block
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert reached == ["end of block"] and signal.getsignal(signal.SIGTERM) is previous

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +26,7 @@ from fbt_jax.data import records, store
 from fbt_jax.data.documents import is_validation
 from fbt_jax.data.packing import RecordPacker
 from fbt_jax.data.shards import assign_units
+from fbt_jax.data.workers import start_pool
 from fbt_jax.errors import ConfigError
 
 # Documents are encoded in batches of at most this many documents or bytes (memory stays flat).
@@ -194,21 +194,6 @@ def _made(directory: str) -> str:
     return directory
 
 
-def _worker_init(threads: int) -> None:
-    """A worker process: its share of the cores for the tokenizer's own threads, and it dies
-    with its parent (a killed preparation leaves no worker writing behind it)."""
-    from fbt_jax.data.tokenizers import limit_encoder_threads
-
-    limit_encoder_threads(threads)
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
-    except (OSError, AttributeError):
-        pass  # not Linux: workers end when their queue closes instead
-
-
 def _run_unit(job: tuple[dict[str, Any], str, int]) -> dict[str, Any]:
     return prepare_unit(*job)
 
@@ -247,17 +232,7 @@ def prepare_shard(
         if workers == 1 or len(todo) <= 1:
             finished = map(_run_unit, jobs)
         else:
-            import multiprocessing
-
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            context = multiprocessing.get_context("spawn")  # the tokenizer's threads do not survive a fork
-            # A stop that came while a worker was being started left it without its start-up data
-            # (a traceback from the child): it waits until every worker has started.
-            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-            try:
-                pool = context.Pool(min(workers, len(todo)), _worker_init, (max(1, cores // workers),))
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            pool = start_pool(min(workers, len(todo)), workers)
             finished = pool.imap_unordered(_run_unit, jobs)
         for done in finished:
             tokens += sum(done["tokens"].values())
