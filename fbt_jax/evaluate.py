@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fbt_jax import contraction, decode, paths
-from fbt_jax.errors import ArgumentParser, ConfigError, divert_library_noise, reported
+from fbt_jax import contraction, decode
+from fbt_jax.data.tasks import prompt_length
+from fbt_jax.errors import ConfigError
 from fbt_jax.feedback import feedback_pass
 from fbt_jax.layers import default_positions
 from fbt_jax.losses import mean_loss, readout_nll, token_nll_BT
@@ -257,7 +258,7 @@ def evaluate(
     else:
         report["sequential"] = {k: v.tolist() for k, v in sequential_profile(model, batch).items()}
     if config.data.source == "task":
-        report["modes"] = mode_metrics(model, batch, prompt_len=max(1, config.data.seq_len // 4))
+        report["modes"] = mode_metrics(model, batch, prompt_len=prompt_length(config.data.seq_len))
         if config.data.task in ("word_problem", "delayed_recall") and not model.cfg.scan_layers:
             # Probes fit D weights per class: they need more rows than the sweep (one probe per position).
             probe_rows = np.arange(probe_examples)
@@ -270,76 +271,3 @@ def evaluate(
     with open(os.path.join(output, "report.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
     return report
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`fbt-eval`: evaluate a trained run (depth stability, sequential feedback, modes, probes)."""
-
-    parser = ArgumentParser(prog="fbt-eval", description=main.__doc__)
-    parser.add_argument("--checkpoint", required=True, help="a run's workdir or checkpoint directory")
-    parser.add_argument("--output", required=True, help="directory for report.json and the plots")
-    parser.add_argument(
-        "--max-depth", type=int, default=0, help="largest number of passes k (default: evaluation length + 1)"
-    )
-    parser.add_argument(
-        "--seq-len", type=int, default=0, help="evaluation length for built-in tasks (default: the trained length)"
-    )
-    parser.add_argument("--batch-size", type=int, default=32, help="validation sequences for the depth sweep and modes")
-    parser.add_argument("--probe-examples", type=int, default=512, help="sequences per split for the probes")
-    parser.add_argument(
-        "--data-path", default="", help="text to evaluate on instead of the run's own (e.g. for an imported model)"
-    )
-    with reported("fbt-eval"):
-        args = parser.parse_args(argv)
-        if args.batch_size < 1:
-            raise ConfigError(f"--batch-size={args.batch_size} must be at least 1")
-        if args.probe_examples < 16:
-            raise ConfigError(f"--probe-examples={args.probe_examples} is too few to fit a probe; use at least 16")
-        if args.max_depth < 0:
-            raise ConfigError(
-                f"--max-depth={args.max_depth} is negative; use at least 1, or 0 for the evaluation length + 1"
-            )
-        if args.seq_len < 0 or 0 < args.seq_len < 4:
-            raise ConfigError(f"--seq-len={args.seq_len} is too short; use at least 4, or 0 for the trained length")
-        output = paths.resolve(args.output, "--output")
-        paths.check_output_dir(output, "--output")
-        checkpoint_path = paths.resolve(args.checkpoint, "--checkpoint")
-        if not paths.is_url(output):
-            # The storage libraries' tracebacks from their threads when a checkpoint does not
-            # restore go to this log; the failure itself is reported as one line.
-            divert_library_noise(os.path.join(output, "fbt-eval.log"))
-        data_path = paths.resolve(args.data_path, "--data-path")
-        report = evaluate(
-            checkpoint_path,
-            output,
-            args.max_depth,
-            args.seq_len,
-            args.batch_size,
-            args.probe_examples,
-            data_path=data_path,
-        )
-    depth = report["depth"]
-    print(f"loss at depth 1 / {len(depth['loss'])}: {depth['loss'][0]:.4f} / {depth['loss'][-1]:.4f}")
-    if "contraction" in report:
-        print(f"contraction monitor, {contraction.describe(report['contraction'])}")
-    if "modes" in report:
-        print(
-            "per decoding mode: "
-            + ", ".join(f"{m} accuracy {r['accuracy']:.3f} loss {r['loss']:.3f}" for m, r in report["modes"].items())
-        )
-    if "probes" in report:
-        p, by_position = report["probes"], report["probes_by_position"]
-        print(f"layer-0 probe, all positions: K=1 {p['K1'][0]:.3f}, K=2 {p['K2'][0]:.3f} (chance {p['chance']:.3f})")
-        last = by_position["positions"][-1]
-        print(
-            f"layer-0 probe at the last position t={last}: K=1 {by_position['K1'][-1]:.3f}, "
-            f"K=2 {by_position['K2'][-1]:.3f}, exact recurrence {by_position['exact'][-1]:.3f} "
-            f"(chance {by_position['chance'][-1]:.3f})"
-        )
-    for sample in report.get("samples", []):
-        print(f"{sample['mode']:>8} | …{sample['prompt'][-40:]!r} → {sample['text'][:60]!r}")
-    print(f"wrote {os.path.join(output, 'report.json')} and {len(report['plots'])} plots")
-
-
-if __name__ == "__main__":
-    main()

@@ -31,6 +31,11 @@ from fbt_jax.schedule import PassSchedule
 def load_model(path: str, log: Any = print, flag: str = "--checkpoint") -> tuple[Any, ml_collections.ConfigDict]:
     """The model of a run (its workdir or checkpoint directory) with its newest parameters that
     restore, built from the config recorded in that checkpoint; for decoding and evaluation."""
+    return load_model_at(path, log, flag)[:2]
+
+
+def load_model_at(path: str, log: Any = print, flag: str = "--checkpoint") -> tuple[Any, ml_collections.ConfigDict, int]:
+    """`load_model`, with the step of the checkpoint it read."""
     one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
     def restore(manager: ocp.CheckpointManager, step: int) -> tuple[Any, ml_collections.ConfigDict]:
@@ -40,7 +45,7 @@ def load_model(path: str, log: Any = print, flag: str = "--checkpoint") -> tuple
         graphdef, abstract = nnx.split(model, nnx.Param)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device), abstract)
         params = _restore_params(manager, step, abstract)
-        return nnx.merge(graphdef, params), config
+        return nnx.merge(graphdef, params), config, step
 
     return _newest_that_restores(path, flag, restore, log, "loaded")
 

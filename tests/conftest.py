@@ -39,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)  # this environment's fbt-* scripts
 MODULES = {
     "fbt-train": "fbt_jax.train",
-    "fbt-eval": "fbt_jax.evaluate",
+    "fbt-eval": "fbt_jax.evals.cli",
     "fbt-decode": "fbt_jax.decode_cli",
     "fbt-prepare": "fbt_jax.data.prepare",
     "fbt-train-tokenizer": "fbt_jax.data.train_tokenizer",

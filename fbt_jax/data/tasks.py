@@ -147,6 +147,12 @@ class SyntheticTask:
         return self.examples(split, np.arange(step * batch_size, (step + 1) * batch_size))
 
 
+def prompt_length(seq_len: int) -> int:
+    """How many of a sequence's tokens are the prompt when decoding modes are compared (a quarter):
+    the rest are fed one by one in the mode (fbt-eval's per-position and generative accuracies)."""
+    return max(1, seq_len // 4)
+
+
 def make_task(config) -> SyntheticTask:
     """The task named by `config.data`, validated (one-line errors; seq_len is checked by the
     pipeline's validate_data for every source)."""
