@@ -54,6 +54,12 @@ RUNS = [
     ),
     ("docs/decoding.md", "fbt-eval --checkpoint=runs/tiny --output=runs/tiny/eval", "", "wrote "),
     (
+        "docs/decoding.md",
+        "fbt-eval --checkpoint=runs/tiny --tasks=word_problem --output=runs/tiny/generative",
+        "",
+        "| word_problem | soft | 256 |",
+    ),
+    (
         "docs/operations.md",
         "fbt-train --config=configs/tiny.py --config.workdir=runs/profiled --config.train.steps=100 --config.train.profile_steps=60:62",
         "",
@@ -84,7 +90,7 @@ RUNS = [
         "docs/data.md",
         "fbt-train --config=configs/tiny.py --config.workdir=runs/text --config.data.source=text "
         "--config.data.path=prepared/stdlib-128 --config.data.seq_len=128 --config.model.vocab_size=1024",
-        "--config.train.steps=60 --config.passes.schedule=0:1",  # one train program to compile
+        "--config.train.steps=60 --config.passes.schedule='0:1;0.9:2'",  # two train programs: fbt-eval --tasks decodes soft
         "trained 60 steps",
     ),
     (
@@ -98,6 +104,13 @@ RUNS = [
         "fbt-eval --checkpoint=runs/text --output=runs/text/eval --max-depth=4 --batch-size=4",
         "",
         "    soft | …",
+    ),
+    (
+        "docs/decoding.md",
+        "fbt-eval --checkpoint=runs/text --tasks=gsm8k@tests/evals/gsm8k_style.jsonl,mbpp@tests/evals/mbpp_style.jsonl "
+        "--max-new-tokens=32 --context-len=512 --output=runs/text/generative",
+        "",
+        "| mbpp | fused | 4 |",
     ),
     (
         "docs/data.md",

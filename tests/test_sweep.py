@@ -195,9 +195,20 @@ def test_a_killed_sweep_resumes_to_the_same_numbers_and_reports(tmp_path):
     for run in ("schedule=k1,seed=0", "schedule=k12,seed=0", "schedule=heavy,seed=0"):
         assert eval_lines(interrupted, run) == eval_lines(tmp_path / "whole", run)  # every eval, to the last bit
 
-    command, env = sweep_command("report", f"--dir={interrupted}")
+    # One run was evaluated with fbt-eval --tasks (its scores.json as evals/report.py writes it).
+    from fbt_jax.evals.report import tables
+
+    records = [{"task": "word_problem", "id": str(i), "mode": m, "sample": 0, "tokens": 1, "correct": i < c}
+               for m, c in (("standard", 2), ("soft", 3)) for i in range(4)]  # fmt: skip
+    scored = interrupted / "runs" / "schedule=heavy,seed=0" / "generative"
+    scored.mkdir()
+    (scored / "scores.json").write_text(json.dumps(tables(records, ("standard", "soft"), (1,), {})))
+    command, env = sweep_command("report", f"--dir={interrupted}", "--scores=generative")
     report = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert report.returncode == 0, report.stderr
+    with open(interrupted / "results.csv") as f:
+        scores = {row["run"]: row["final_word_problem/soft/pass@1"] for row in csv.DictReader(f)}
+    assert scores == {"schedule=k1,seed=0": "", "schedule=k12,seed=0": "", "schedule=heavy,seed=0": "0.75"}
     rows = open(interrupted / "results.csv").read().splitlines()
     assert len(rows) == 4 and rows[0].startswith("run,label.schedule")
     with open(interrupted / "results.csv") as f:

@@ -101,13 +101,20 @@ def main(argv: list[str] | None = None) -> None:
 
 def generative_settings(args: argparse.Namespace):
     """The evaluation's settings from the flags, checked (one line each, before anything loads)."""
+    from fbt_jax.evals.builtin import is_builtin
     from fbt_jax.evals.runner import EvalSettings
 
     given = [f"--{k.replace('_', '-')}" for k, default in DEPTH_FLAGS.items() if getattr(args, k) != default]
     if given:
         raise ConfigError(f"{', '.join(given)} belong(s) to the depth evaluation; drop them with --tasks")
+    tasks = []
+    for task in (t.strip() for t in args.tasks.split(",") if t.strip()):
+        name, at, problems = task.partition("@")
+        if not is_builtin(name) and os.path.exists(name):  # a spec file, not a shipped spec's name
+            name = paths.resolve(name, "--tasks")
+        tasks.append(name + (at + paths.resolve(problems, "--tasks") if problems else ""))
     settings = EvalSettings(
-        tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
+        tasks=tuple(tasks),
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
         samples=args.samples,
         pass_at=tuple(args.pass_at) or (1,),

@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> None:
         "--override", action="append", default=[], help="FIELD=VALUE for every run (repeatable), e.g. train.steps=100"
     )
     parser.add_argument("--min-shared-steps", type=int, default=None, help="shortest trunk worth a job")
+    parser.add_argument(
+        "--scores", default="", help="report: each run's `fbt-eval --tasks` output, relative to its workdir"
+    )
     with reported(PROG):
         args = parser.parse_args(argv)
         if args.parallel < 1:
@@ -103,7 +106,7 @@ def inspect(args) -> int:
     if args.command == "status":
         print(status_table(sweep_dir, jobs))
         return 0
-    written = write_report(sweep_dir, sweep, jobs)
+    written = write_report(sweep_dir, sweep, jobs, args.scores)
     if not written:
         print(
             f"{PROG}: no run of {sweep.name} has finished yet; see fbt-sweep status --dir={directory}", file=sys.stderr

@@ -24,8 +24,9 @@ from fbt_jax.sweep.spec import Sweep
 from fbt_jax.sweep.state import SweepDirectory, read_json
 
 
-def gather(sweep_dir: SweepDirectory, sweep: Sweep, jobs: list[Job]) -> list[dict[str, Any]]:
-    """One record per finished run: labels, overrides, metrics, tokens, FLOPs, seconds, curve."""
+def gather(sweep_dir: SweepDirectory, sweep: Sweep, jobs: list[Job], scores: str = "") -> list[dict[str, Any]]:
+    """One record per finished run: labels, overrides, metrics, tokens, FLOPs, seconds, curve, and
+    with `scores` (a directory inside each run's workdir) the pass@k of its `fbt-eval --tasks`."""
     by_name = {job.name: job for job in jobs}
     rows = []
     for run in sweep.runs:
@@ -67,6 +68,8 @@ def gather(sweep_dir: SweepDirectory, sweep: Sweep, jobs: list[Job]) -> list[dic
             wall = sum(t["wall_seconds"] for t in times)
             row["wall_seconds"] = wall
             row["goodput"] = sum(t["seconds"]["steps"] for t in times) / wall if wall else 0.0
+        if scores:
+            row |= generative_scores(os.path.join(chain[-1].workdir, scores, "scores.json"))
         row["mean_num_passes"] = float(np.mean(ks))
         row["curve"] = [(r["step"] * tokens_per_step, r) for r in curve]
         row["overrides"] = run.overrides
@@ -74,8 +77,20 @@ def gather(sweep_dir: SweepDirectory, sweep: Sweep, jobs: list[Job]) -> list[dic
     return rows
 
 
-def write_report(sweep_dir: SweepDirectory, sweep: Sweep, jobs: list[Job]) -> dict[str, str]:
-    rows = gather(sweep_dir, sweep, jobs)
+def generative_scores(path: str) -> dict[str, float]:
+    """`final_<task>/<mode>/pass@k` of a run's generative evaluation (nothing if it has none yet)."""
+    found = read_json(path) or {"tasks": {}}
+    return {
+        f"final_{task}/{mode}/{key}": value
+        for task, per_mode in found["tasks"].items()
+        for mode, row in per_mode.items()
+        for key, value in row.items()
+        if key.startswith("pass@") and not key.endswith("_ci")
+    }
+
+
+def write_report(sweep_dir: SweepDirectory, sweep: Sweep, jobs: list[Job], scores: str = "") -> dict[str, str]:
+    rows = gather(sweep_dir, sweep, jobs, scores)
     if not rows:
         return {}
     columns = [c for c in rows[0] if c not in ("curve", "overrides")]
