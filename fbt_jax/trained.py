@@ -34,7 +34,9 @@ def load_model(path: str, log: Any = print, flag: str = "--checkpoint") -> tuple
     return load_model_at(path, log, flag)[:2]
 
 
-def load_model_at(path: str, log: Any = print, flag: str = "--checkpoint") -> tuple[Any, ml_collections.ConfigDict, int]:
+def load_model_at(
+    path: str, log: Any = print, flag: str = "--checkpoint"
+) -> tuple[Any, ml_collections.ConfigDict, int]:
     """`load_model`, with the step of the checkpoint it read."""
     one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
