@@ -201,7 +201,6 @@ def test_fbt_eval_tasks_on_8_devices_killed_and_resumed_writes_the_one_device_ge
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--max-depth=0"], "--max-depth=0 must be at least 1"),
         (["--tasks=word_problem", "--samples=2", "--pass-at=5", "--temperature=1"], "pass@5 needs at least 5 samples"),
         (["--tasks=word_problem", "--modes=soft,hard"], "--modes='soft,hard'"),
         (["--tasks=word_problem", "--samples=3"], "with greedy decoding repeats one generation"),

@@ -48,8 +48,8 @@ def evaluate_tasks(
         (r for r in done.values() if (r["task"], r["id"]) in order),
         key=lambda r: (order[(r["task"], r["id"])], settings.modes.index(r["mode"]), r["sample"]),
     )
-    with open(os.path.join(output, runner.TIMING), encoding="utf-8") as f:
-        timing = json.load(f)
+    timing_path = os.path.join(output, runner.TIMING)
+    timing = json.load(open(timing_path, encoding="utf-8")) if os.path.exists(timing_path) else {}
     scores = report.write(output, records, settings, timing)
     print(report.markdown(scores, settings.pass_at, settings.samples), end="")
     print(f"wrote {os.path.join(output, runner.GENERATIONS)}, scores.json, scores.md and scores.png")

@@ -203,7 +203,7 @@ def generate_all(
         for sample in range(settings.samples)
         if (task.name, problem.id, mode, sample) not in done
     ]
-    bar = tqdm(total=len(todo), unit="gen", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=len(todo), unit="gen", disable=not (progress and todo), dynamic_ncols=True)
     with open(os.path.join(output, GENERATIONS), "a", encoding="utf-8") as out:
         for start in range(0, len(todo), batch_size):
             rows = todo[start : start + batch_size]
