@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 
+import numpy as np
 import pytest
 from conftest import ROOT, cpu_env, run_command
 
@@ -16,6 +17,7 @@ EXPERIMENTS = {
     "text_efficiency": "| variant | schedule | tokens | mean K | loss K=1 | loss K=2 | loss K=3 |",
     "upcycle_split": "| run | loss K=1 | loss K=2 | loss K=3 | accuracy K=1 | accuracy K=2 |",
 }
+BUDGET_CHECKED = {"state_tracking"}
 RESULTS = os.path.join(ROOT, "docs", "results.md")
 
 
@@ -23,7 +25,8 @@ def test_results_md_has_every_experiments_block_and_nothing_else():
     text = open(RESULTS, encoding="utf-8").read()
     named = set(re.findall(r"<!-- begin: experiments/(\w+)\.py -->", text))
     assert named == set(EXPERIMENTS)
-    scripts = {f[:-3] for f in os.listdir(os.path.join(ROOT, "experiments")) if f.endswith(".py") and f != "common.py"}
+    helpers = ("common.py", "budget.py")
+    scripts = {f[:-3] for f in os.listdir(os.path.join(ROOT, "experiments")) if f.endswith(".py") and f not in helpers}
     assert scripts == set(EXPERIMENTS)
     for name in EXPERIMENTS:
         assert f"python experiments/{name}.py --write-docs docs/results.md" in text
@@ -52,7 +55,33 @@ def test_experiment_smoke_run_writes_its_block_and_plot(name, smoke_dir):
     begin, end = f"<!-- begin: experiments/{name}.py -->", f"<!-- end: experiments/{name}.py -->"
     block = after.split(begin)[1].split(end)[0]
     assert "Smoke run" in block and EXPERIMENTS[name] in block
+    if name in BUDGET_CHECKED:  # no verdict without the check that the runs had settled
+        assert "\nbudget check: " in block and "\nverdict (" in block
     assert "nan" not in block.lower()
     # Only this block changed.
     assert after.split(begin)[0] == before.split(begin)[0] and after.split(end)[1] == before.split(end)[1]
     assert (smoke_dir / "docs" / "results" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_budget_check_holds_on_a_settled_curve_and_extrapolates_a_moving_one():
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import budget
+
+    def run(name, tau, steps=2000, every=100):
+        # accuracy approaching 0.9 exponentially with time constant tau (steps)
+        curve = [(s, {"step": s, "accuracy_K1": 0.9 * (1 - np.exp(-s / tau))}) for s in range(every, steps + 1, every)]
+        return {"run": name, "curve": curve}
+
+    rule = budget.Rule("accuracy_K1", tolerance=0.01)
+    settled = budget.check([run("fast", 150), run("faster", 100)], [rule])
+    assert settled.held and settled.line.startswith("budget check: held") and settled.suggested_steps == 2000
+    moving = budget.check([run("fast", 150), run("slow", 1500)], [rule], "S3")
+    assert not moving.held and moving.worst["run"] == "slow" and "budget check: failed (S3)" in moving.line
+    # At the budget the trend names, the slow run's last window changes by less than the tolerance
+    # (the exponential's windows shrink by a constant ratio: the geometric extrapolation is exact).
+    longer = run("slow", 1500, steps=moving.suggested_steps, every=10)
+    assert budget.window_changes(longer, rule)[0] < 0.0105
+    assert budget.verdict(moving, "reproduced").startswith("undecided at this budget (the trend points to about")
+    assert budget.verdict(settled, "reproduced") == "reproduced"
