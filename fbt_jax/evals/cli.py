@@ -18,7 +18,7 @@ import os
 from fbt_jax import contraction, paths
 from fbt_jax.errors import ArgumentParser, ConfigError, divert_library_noise, reported
 
-DEPTH_FLAGS = {"max_depth": None, "seq_len": 0, "probe_examples": 512, "data_path": ""}
+DEPTH_FLAGS = ("max_depth", "seq_len", "probe_examples", "data_path")
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -63,7 +63,8 @@ def parser() -> ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     """`fbt-eval`: see the module docstring."""
     with reported("fbt-eval"):
-        args = parser().parse_args(argv)
+        cli = parser()
+        args = cli.parse_args(argv)
         if args.batch_size < 1:
             raise ConfigError(f"--batch-size={args.batch_size} must be at least 1")
         output = paths.resolve(args.output, "--output")
@@ -72,6 +73,9 @@ def main(argv: list[str] | None = None) -> None:
         paths.check_output_dir(output, "--output")
         checkpoint_path = paths.resolve(args.checkpoint, "--checkpoint")
         if args.tasks:
+            given = [f"--{k.replace('_', '-')}" for k in DEPTH_FLAGS if getattr(args, k) != cli.get_default(k)]
+            if given:
+                raise ConfigError(f"{', '.join(given)} belong(s) to the depth evaluation; drop them with --tasks")
             settings = generative_settings(args)
             if not paths.is_url(output):
                 os.makedirs(output, exist_ok=True)
@@ -104,9 +108,6 @@ def generative_settings(args: argparse.Namespace):
     from fbt_jax.evals.builtin import is_builtin
     from fbt_jax.evals.runner import EvalSettings
 
-    given = [f"--{k.replace('_', '-')}" for k, default in DEPTH_FLAGS.items() if getattr(args, k) != default]
-    if given:
-        raise ConfigError(f"{', '.join(given)} belong(s) to the depth evaluation; drop them with --tasks")
     tasks = []
     for task in (t.strip() for t in args.tasks.split(",") if t.strip()):
         name, at, problems = task.partition("@")

@@ -39,7 +39,7 @@ def evaluate_tasks(
     from fbt_jax.evals.generation import Generator
 
     generator = Generator(model)
-    runner.generate_all(generator, tasks, settings, tokenizer, output, batch_size, done, progress)
+    timing = runner.generate_all(generator, tasks, settings, tokenizer, output, batch_size, done, progress)
     if generator.timing.tokens:
         log(f"compiled in {generator.timing.compile_s:.1f}s; generated {generator.timing.tokens:,} tokens in "
             f"{generator.timing.decode_s:.1f}s")  # fmt: skip
@@ -48,8 +48,6 @@ def evaluate_tasks(
         (r for r in done.values() if (r["task"], r["id"]) in order),
         key=lambda r: (order[(r["task"], r["id"])], settings.modes.index(r["mode"]), r["sample"]),
     )
-    timing_path = os.path.join(output, runner.TIMING)
-    timing = json.load(open(timing_path, encoding="utf-8")) if os.path.exists(timing_path) else {}
     scores = report.write(output, records, settings, timing)
     print(report.markdown(scores, settings.pass_at, settings.samples), end="")
     print(f"wrote {os.path.join(output, runner.GENERATIONS)}, scores.json, scores.md and scores.png")

@@ -8,10 +8,10 @@ attempt, so a resumed evaluation ends with the table an uninterrupted one writes
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
+from fbt_jax.data import store
 from fbt_jax.evals import scoring
 
 SCORES = "scores.json"
@@ -101,10 +101,8 @@ def plot(scores: dict[str, Any], ks: tuple[int, ...], path: str) -> None:
 def write(output: str, records: list[dict[str, Any]], settings: Any, timing: dict[str, Any]) -> dict[str, Any]:
     """scores.json, scores.md and scores.png in `output`; returns the scores."""
     scores = tables(records, settings.modes, settings.pass_at, timing, settings.seed)
-    for name, text in ((SCORES, json.dumps(scores, indent=1)), ("scores.md", markdown(scores, settings.pass_at,
-                                                                                      settings.samples))):  # fmt: skip
-        with open(os.path.join(output, name + ".tmp"), "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(os.path.join(output, name + ".tmp"), os.path.join(output, name))
+    store.write_json(os.path.join(output, SCORES), scores, staging=output)
+    with open(os.path.join(output, "scores.md"), "w", encoding="utf-8") as f:  # a view of scores.json
+        f.write(markdown(scores, settings.pass_at, settings.samples))
     plot(scores, settings.pass_at, os.path.join(output, "scores.png"))
     return scores

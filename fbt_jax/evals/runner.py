@@ -12,6 +12,7 @@ import zlib
 from typing import Any
 
 from fbt_jax import decode
+from fbt_jax.data import store
 from fbt_jax.errors import ConfigError
 from fbt_jax.evals import builtin, scoring
 from fbt_jax.evals.generation import Generator, Request, Sampling, cut_at_stop
@@ -82,7 +83,9 @@ def check_modes(config: Any, step: int, modes: tuple[str, ...]) -> None:
     if config.get("hf_config") or config.get("init_from") or set(modes) <= {"standard"}:
         return  # imported or initialised elsewhere: the fusion came with the weights
     schedule = PassSchedule.parse(config.passes.schedule, config.train.steps, config.seed)
-    if max(schedule.num_passes(s) for s in range(max(step, 1))) < 2:
+    # Only steps of phases that can draw K >= 2 are looked at, and the first such draw settles it.
+    first = min((ph.start_step for ph in schedule.phases if any(k >= 2 for k, _ in ph.mixture)), default=step)
+    if not any(schedule.num_passes(s) >= 2 for s in range(first, step)):
         raise ConfigError(
             f"this checkpoint (step {step}) never trained a feedback pass (passes.schedule drew K=1 only), so its "
             "fusion is untrained and cannot decode in soft or fused mode; use --modes=standard"
@@ -125,9 +128,8 @@ def load_tasks(settings: EvalSettings, config: Any, tokenizer: Any) -> list[Task
 def open_output(output: str, identity: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
     """The generations already written by this same evaluation (a torn last line is dropped)."""
     settings_path, generations_path = os.path.join(output, SETTINGS_FILE), os.path.join(output, GENERATIONS)
-    if os.path.exists(settings_path):
-        with open(settings_path, encoding="utf-8") as f:
-            recorded = json.load(f)
+    recorded = store.read_json(settings_path)
+    if recorded is not None:
         changed = sorted(k for k in set(recorded) | set(identity) if recorded.get(k) != identity.get(k))
         if changed:
             raise ConfigError(
@@ -139,10 +141,7 @@ def open_output(output: str, identity: dict[str, Any]) -> dict[tuple, dict[str, 
             f"--output={output} is not empty and holds no evaluation ({SETTINGS_FILE}); give a new directory"
         )
     else:
-        os.makedirs(output, exist_ok=True)
-        with open(settings_path + ".tmp", "w", encoding="utf-8") as f:
-            json.dump(identity, f, indent=1)
-        os.replace(settings_path + ".tmp", settings_path)
+        store.write_json(settings_path, identity, staging=output)
     done: dict[tuple, dict[str, Any]] = {}
     if os.path.exists(generations_path):
         with open(generations_path, "rb") as f:
@@ -183,12 +182,13 @@ def generate_all(
     batch_size: int,
     done: dict[tuple, dict[str, Any]],
     progress: bool = True,
-) -> None:
-    """Decode and score every (task, problem, mode, sample) not yet in `done`, appending each batch."""
+) -> dict[str, dict[str, float]]:
+    """Decode and score every (task, problem, mode, sample) not yet in `done`, appending each batch;
+    returns the generated tokens and run seconds per task/mode over every attempt (`timing.json`)."""
     from tqdm import tqdm
 
     timing_path = os.path.join(output, TIMING)
-    timing = json.load(open(timing_path, encoding="utf-8")) if os.path.exists(timing_path) else {}
+    timing = store.read_json(timing_path) or {}
     sampling = Sampling(settings.temperature, settings.top_p, settings.top_k, settings.prefill_passes)
     limits = None
     if any(task.spec.compare == "tests" for task in tasks):
@@ -231,15 +231,14 @@ def generate_all(
             out.write("".join(json.dumps(line) + "\n" for line in lines))
             out.flush()
             os.fsync(out.fileno())
-            with open(timing_path + ".tmp", "w", encoding="utf-8") as f:
-                json.dump(timing, f)
-            os.replace(timing_path + ".tmp", timing_path)
+            store.write_json(timing_path, timing, staging=output)
             for line in lines:
                 done[(line["task"], line["id"], line["mode"], line["sample"])] = line
             bar.update(len(rows))
             seconds = sum(e["seconds"] for e in timing.values())
             bar.set_postfix(tokens_per_s=f"{sum(e['tokens'] for e in timing.values()) / max(seconds, 1e-9):,.0f}")
     bar.close()
+    return timing
 
 
 def render(task: Task, tokenizer: Any, ids: list[int]) -> str:
