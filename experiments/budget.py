@@ -112,6 +112,13 @@ def check(rows: Sequence[dict[str, Any]], rules: Sequence[Rule], what: str = "")
     return Check(held, line, worst, suggested)
 
 
+def combined(checks: Sequence[Check]) -> Check:
+    """Several checks as one: held where all held; the line of the first that failed (else the first)."""
+    failed = [c for c in checks if not c.held]
+    first = (failed or list(checks))[0]
+    return Check(not failed, first.line, first.worst, max(c.suggested_steps for c in checks))
+
+
 def verdict(check_result: Check, decided: str) -> str:
     """The verdict as written: `decided` where the budget held, else undecided with the budget the
     trend points to."""

@@ -50,8 +50,9 @@ def arguments(doc: str, name: str, extra: Sequence[tuple[str, dict]] = ()) -> ar
         "sweeps shared with other experiments go beside it",
     )
     args = parser.parse_args()
-    if args.write_docs:
+    if args.write_docs:  # its block and the summary's (experiments/summary.py): both are rewritten
         docs_block.check_block(args.write_docs, name, folder="experiments")
+        docs_block.check_block(args.write_docs, "summary", folder="experiments")
     if not args.dir:
         root = tempfile.mkdtemp(prefix="fbt-experiments-") if args.smoke else os.path.join("runs", "experiments")
         args.dir = os.path.join(root, name)
@@ -133,6 +134,17 @@ def state_tracking_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.smoke:
         spec = smoke_spec(spec, args.sweeps_dir, ("k1", "k12", "paper"))
     return run_sweep(spec, os.path.join(args.sweeps_dir, "state_tracking"))
+
+
+def prepare_stdlib(output: str, seq_len: int, files: str = "*.py") -> str:
+    """This interpreter's standard-library sources (the top-level modules matching `files`) as byte
+    records of `seq_len` tokens in `output`, 10% of the files held out; prepared once (fbt-prepare
+    refuses to overwrite, and a rerun of an experiment must not redo it). No download."""
+    if not os.path.exists(os.path.join(output, "meta.json")):
+        pattern = os.path.join(os.path.dirname(os.__file__), files)
+        command = ["fbt-prepare", f"--input={pattern}", f"--output={output}", f"--seq-len={seq_len}"]
+        subprocess.run(command + ["--validation-fraction=0.1"], check=True, stdout=subprocess.DEVNULL)
+    return output
 
 
 def mean_std(values: Sequence[float], digits: int = 3) -> str:

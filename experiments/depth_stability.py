@@ -1,15 +1,24 @@
 """Depth stability: does a {1, 2}-trained map diverge beyond its passes, and a {1, 2, 3}-trained one
 contract to a fixed point?
 
-Two sets of models, three seeds each, {1, 2} (`k12`) and the paper's 75/22/3 (`paper`):
+Two sets of models, three seeds each, {1, 2} (`k12`), the paper's 75/22/3 (`paper`) and the
+heavier 50/25/25 (`heavy`):
 
 - the S3 models of `experiments/state_tracking.py` (16 tokens), run for k = 1 … 32 passes;
-- very narrow S3 models trained at 1024 tokens (`configs/sweeps/depth_1024.py`), run for
-  k = 1 … 1000 passes (the states become the exact recurrence at pass T = 1024).
+- narrow byte-level language models trained at 1024 tokens on the standard library's sources
+  (`configs/sweeps/depth_1024.py`), run for k = 1 … 1000 passes (the states become the exact
+  recurrence at pass T = 1024).
 
 For each k: held-out loss, and the relative per-pass change ‖Hᵏ − Hᵏ⁻¹‖ / ‖Hᵏ‖ over the positions
 pass k can still change (`fbt_jax.evaluate.depth_sweep`); the contraction monitor's verdict for
 passes 4–7 (`fbt_jax.contraction`).
+
+Budget check: the 16-token models are the state-tracking experiment's, with its check; the 1024-
+token models' K=1 and K=2 held-out losses each change by less than 2% over the last 20% of
+training. The verdict, per sequence length, where the check held: reproduced if every {1, 2} model
+diverges beyond its passes (not contracting, or its loss at the deepest k more than 5% above its
+loss at K=2) while every 75/22/3 model is stable (contracting, and within 5% of its loss at K=3);
+not reproduced if the {1, 2} models are stable too; partly otherwise.
 
     python experiments/depth_stability.py --write-docs docs/results.md
 """
@@ -19,8 +28,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import budget
 import common
 import numpy as np
+import state_tracking
+import summary
 
 from fbt_jax import contraction
 from fbt_jax.data.pipeline import make_source
@@ -29,7 +41,10 @@ from fbt_jax.trained import load_model
 
 NAME = "depth_stability"
 LONG_SPEC = os.path.join(common.REPO, "configs", "sweeps", "depth_1024.py")
-SCHEDULES = ("k12", "paper")
+SCHEDULES = ("k12", "paper", "heavy")
+TRAINED_K = {"k12": 2, "paper": 3, "heavy": 3}
+LONG_RULES = (budget.Rule("loss_K1", 0.02, relative=True), budget.Rule("loss_K2", 0.02, relative=True))
+TOLERANCE = 0.05  # the loss at the deepest k against the loss at the trained K
 
 
 def sweep_depths(rows: list[dict[str, Any]], max_depth: int, num_sequences: int) -> None:
@@ -40,6 +55,47 @@ def sweep_depths(rows: list[dict[str, Any]], max_depth: int, num_sequences: int)
         row["depth"] = depth_sweep(model, batch, max_depth, progress=False)
         sums = {f"{key}_{k}": row["depth"][key][k - 1] for key in ("change_sq", "state_sq") for k in range(4, 8)}
         row["monitor"] = contraction.summarize(sums, 4, 7)
+
+
+def stable(row: dict[str, Any]) -> bool:
+    """Contracting, and the loss at the deepest k within TOLERANCE of the loss at the trained K."""
+    loss = row["depth"]["loss"]
+    trained = loss[TRAINED_K[row["label.schedule"]] - 1]
+    return bool(row["monitor"]["contracting"]) and loss[-1] <= (1 + TOLERANCE) * trained
+
+
+def judge(rows: list[dict[str, Any]]) -> str:
+    pairs = common.by_label(rows, "schedule")
+    k12, paper = [stable(r) for r in pairs["k12"]], [stable(r) for r in pairs["paper"]]
+    if not any(k12) and all(paper):
+        return "reproduced"
+    if all(k12):
+        return "not reproduced"
+    return "partly"
+
+
+def verdict(rows: list[dict[str, Any]], check: budget.Check, seq_len: int) -> tuple[str, str]:
+    """The verdict line for one sequence length, and the verdict itself."""
+    said = budget.verdict(check, judge(rows))
+    counts = ", ".join(
+        f"{schedule} {sum(stable(r) for r in seeds)} of {len(seeds)}"
+        for schedule, seeds in common.by_label(rows, "schedule").items()
+    )
+    return (
+        f"verdict (T={seq_len}: {{1, 2}} diverges, 75/22/3 stays at its fixed point): stable models {counts}: {said}",
+        said,
+    )
+
+
+def loss_figures(rows: list[dict[str, Any]], seq_len: int) -> str:
+    """Loss at the trained K → at the deepest k, per mixture."""
+    parts = []
+    for schedule, seeds in common.by_label(rows, "schedule").items():
+        trained = [r["depth"]["loss"][TRAINED_K[schedule] - 1] for r in seeds]
+        deepest = [r["depth"]["loss"][-1] for r in seeds]
+        parts.append(f"{schedule} {common.mean_std(trained)} → {common.mean_std(deepest)}")
+    depth = len(rows[0]["depth"]["loss"])
+    return f"T={seq_len}, loss at the trained K → at k={depth}: " + ", ".join(parts)
 
 
 def table(rows: list[dict[str, Any]], depths: list[int]) -> str:
@@ -78,38 +134,60 @@ def main() -> None:
     args = common.arguments(__doc__, NAME)
     timer = common.Timer()
     long_spec = LONG_SPEC
-    if args.smoke:
-        long_spec = common.smoke_spec(LONG_SPEC, args.sweeps_dir, SCHEDULES, data__seq_len=64)
+    short_len, long_len = 16, (64 if args.smoke else 1024)
+    long_depth = 60 if args.smoke else 1000
+    if args.smoke:  # two mixtures on the modules a–c: a quick check that it runs
+        long_spec = common.smoke_spec(LONG_SPEC, args.sweeps_dir, ("k12", "paper"), data__seq_len=long_len)
+    prepared = common.prepare_stdlib(
+        os.path.join(args.dir, f"prepared-{long_len}"), long_len, "[a-c]*.py" if args.smoke else "*.py"
+    )
     # The 16-token models are the state-tracking experiment's (trained there, or here if not yet).
     short = [r for r in common.state_tracking_runs(args) if r["label.run"] == "S3"]
     short = [r for r in short if r["label.schedule"] in SCHEDULES]
-    long = common.run_sweep(long_spec, os.path.join(args.dir, "depth_1024"))
+    long = common.run_sweep(long_spec, os.path.join(args.dir, "depth_1024"), overrides=[f"data.path={prepared}"])
     sizes = common.load_spec(long_spec)["overrides"]
     train_minutes = common.sweep_minutes(os.path.join(args.dir, "depth_1024"))
-    short_len, long_len = 16, (64 if args.smoke else 1024)
-    long_depth = 60 if args.smoke else 1000
+    checks = {
+        short_len: state_tracking.budget_check(short, f"T={short_len}, the state-tracking models"),
+        long_len: budget.check(long, LONG_RULES, f"T={long_len}"),
+    }
     sweep_depths(short, 2 * short_len, 64)
     sweep_depths(long, long_depth, 2)  # 1000 passes over 1024 positions: two sequences keep it to minutes
+    verdicts = {
+        short_len: verdict(short, checks[short_len], short_len),
+        long_len: verdict(long, checks[long_len], long_len),
+    }
     figure = common.plot_path(args, NAME)
-    plot([(f"S3, trained at T={short_len}", short), (f"S3, trained at T={long_len}", long)], figure)
+    plot([(f"S3, trained at T={short_len}", short), (f"stdlib bytes, trained at T={long_len}", long)], figure)
     long_depths = [1, 2, 3, 4, 8, 32, 128, long_depth] if not args.smoke else [1, 2, 3, 4, 8, long_depth]
+    seeds = len(common.by_label(long, "schedule")["paper"])
     body = [
         f"Written by `python experiments/{NAME}.py{' --smoke' if args.smoke else ''}` on {common.machine()} in "
-        f"{timer.minutes():.1f} min of wall time; training the 1024-token models took {train_minutes:.0f} min of job time "
-        f"(two jobs at a time), and the 16-token models are shared with `experiments/state_tracking.py`. Mean ± std over {len(short) // 2} seeds; loss on 64 (T={short_len}) and "
-        f"2 (T={long_len}) held-out sequences; the change is measured over the positions pass k can still change.",
+        f"{timer.minutes():.1f} min of wall time; training the {long_len}-token models took {train_minutes:.0f} min of "
+        f"job time (two jobs at a time), and the 16-token models are shared with `experiments/state_tracking.py`. "
+        f"Mean ± std over {seeds} seeds; loss on 64 (T={short_len}) and 2 (T={long_len}) held-out sequences; the "
+        "change is measured over the positions pass k can still change.",
         "",
+        *[check.line + "\n" for check in checks.values()],
+        *[line + "\n" for line, _ in verdicts.values()],
         f"**S3 at T={short_len}** (width 64, 2 layers), k = 1 … {2 * short_len}:\n",
         table(short, [1, 2, 3, 4, 8, short_len, 2 * short_len]),
         "",
-        f"**S3 at T={long_len}** (width 32, 2 layers, {sizes['train.steps']} steps of {sizes['train.batch_size']} "
-        "sequences), "
-        f"k = 1 … {long_depth}:\n",
+        f"**Standard-library bytes at T={long_len}** (width {sizes['model.embed_dim']}, 2 layers, "
+        f"{sizes['train.steps']} steps of {sizes['train.batch_size']} sequences), k = 1 … {long_depth}:\n",
         table(long, long_depths),
         "",
         common.figure_line(args, figure, "loss and per-pass change against feedback depth"),
     ]
     common.finish(args, NAME, "\n".join(body))
+    row = summary.Row(
+        f"{loss_figures(short, short_len)}; {loss_figures(long, long_len)}",
+        f"T={short_len}: the state-tracking rule (§1); T={long_len}: K=1 and K=2 loss within 2%, over the last 20% of "
+        "steps",
+        all(c.held for c in checks.values()),
+        "; ".join(f"T={t}: {said}" for t, (_, said) in verdicts.items()),
+    )
+    summary.record(args, NAME, row)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,12 @@ import json
 import math
 import os
 import pathlib
-import subprocess
 from typing import Any
 
+import budget
 import common
 import numpy as np
+import summary
 
 NAME = "text_efficiency"
 PAPER = "0:1; 0.75:2=0.88,3=0.12"  # 75% K=1, then K=2 88% / K=3 12%: 75/22/3 overall
@@ -48,17 +49,6 @@ SMOKE = Sizes(12, batch=8, seeds=(0, 1), ratios=(1.0,), eval_batches=1, warmup=2
 
 def plain_name(ratio: float) -> str:
     return "plain_N" if ratio == 1.0 else f"plain_{ratio:g}N"
-
-
-def prepare_corpus(directory: str) -> str:
-    """Every top-level module of the stdlib as 128-token byte records, prepared once per directory
-    (fbt-prepare refuses to overwrite, and a rerun of the experiment must not redo it)."""
-    output = os.path.join(directory, "prepared")
-    if not os.path.exists(os.path.join(output, "meta.json")):
-        pattern = os.path.join(os.path.dirname(os.__file__), "*.py")
-        command = ["fbt-prepare", f"--input={pattern}", f"--output={output}", "--seq-len=128"]
-        subprocess.run(command + ["--validation-fraction=0.1"], check=True, stdout=subprocess.DEVNULL)
-    return output
 
 
 def write_spec(directory: str, data_path: str, sizes: Sizes) -> str:
@@ -140,8 +130,33 @@ def plot(groups: Rows, best_k: int, path: str) -> None:
     common.save_figure(fig, path)
 
 
-def answer(groups: Rows, best_k: int) -> list[str]:
-    """How many tokens the plain model needs to match the feedback model, and what equal FLOPs buy."""
+FEEDBACK_RULE = budget.Rule("loss_K2", 0.02, relative=True)
+STILL_IMPROVING = 0.01  # plain's loss at its largest budget below plain_N's by more than this fraction
+RULE_TEXT = (
+    "the feedback model's K=2 loss within 2% over the last 20% of its steps, and the plain model's loss still "
+    "improving from N to its largest budget (by more than 1%)"
+)
+
+
+def budget_check(groups: Rows) -> budget.Check:
+    """The feedback model's fused loss settled (else the comparison is made before it learned to
+    read its feedback), and the plain model still improving between N and its largest budget
+    (else every ratio is meaningless: a plateau is matched at any budget)."""
+    settled = budget.check(groups[FEEDBACK], (FEEDBACK_RULE,), "feedback model")
+    plain = sorted((r[0]["tokens"], mean_of(r, "final_loss_K1")) for name, r in groups.items() if name != FEEDBACK)
+    gain = (plain[0][1] - plain[-1][1]) / plain[0][1] if len(plain) > 1 else 0.0
+    if gain <= STILL_IMPROVING:
+        line = (
+            f"budget check: failed - the plain model's loss improves by {100 * gain:.2f}% from N to its largest budget "
+            f"(rule: more than {100 * STILL_IMPROVING:g}%), so no ratio of tokens can be read from these runs."
+        )
+        return budget.Check(False, line, settled.worst, settled.suggested_steps)
+    return settled
+
+
+def answer(groups: Rows, best_k: int, check: budget.Check) -> tuple[list[str], str, str]:
+    """How many tokens the plain model needs to match the feedback model, and what equal FLOPs buy;
+    the lines, the verdict and the figures for the summary."""
     plain = sorted((r[0]["tokens"], mean_of(r, "final_loss_K1")) for name, r in groups.items() if name != FEEDBACK)
     n_tokens, most = plain[0][0], plain[-1][0] / plain[0][0]
     lines, ratios = [], {}
@@ -167,9 +182,15 @@ def answer(groups: Rows, best_k: int) -> list[str]:
     )
     saving = max(ratios.values())
     if most >= 2 or saving < most:  # else no plain run reaches far enough to judge the 2× claim
-        verdict = "holds" if saving >= 1.9 else "partly holds (a saving under 2×)" if saving > 1 else "does not hold"
-        lines.append(f"- So the claim (feedback on N tokens ≈ plain on 2N) **{verdict}** at this scale.")
-    return lines
+        decided = "reproduced" if saving >= 1.9 else "partly (a saving under 2×)" if saving > 1 else "not reproduced"
+    else:
+        decided = f"undecided (no plain run reaches 2N; the saving is at least {most:g}×)"
+    said = budget.verdict(check, decided)
+    lines.append(f"\nverdict (feedback on N tokens ≈ plain on 2N): {said}")
+    best = ratios[best_k]
+    needed = f"more than {most:g}×" if not math.isfinite(best) else "no more than 1×" if best <= 1 else f"≈{best:.2f}×"
+    figures = f"tokens a plain model needs to match the feedback model's K={best_k} loss: {needed} N"
+    return lines, said, figures
 
 
 def table(groups: Rows, sizes: Sizes) -> list[str]:
@@ -199,11 +220,13 @@ def main() -> None:
     # The jobs compile the same few programs (trunks and their forks exactly the same): one cache.
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(directory, "compile_cache"))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    data_path = prepare_corpus(directory)
+    data_path = common.prepare_stdlib(os.path.join(directory, "prepared"), 128)
     spec = write_spec(directory, data_path, sizes)
     rows = common.run_sweep(spec, os.path.join(directory, "sweep"), parallel=2)
     groups = common.by_label(rows, "run")
     best_k = min((2, 3), key=lambda k: mean_of(groups[FEEDBACK], f"final_loss_K{k}"))
+    check = budget_check(groups)
+    answer_lines, said, figures = answer(groups, best_k, check)
     path = common.plot_path(args, NAME)
     plot(groups, best_k, path)
     meta = json.loads(pathlib.Path(data_path, "meta.json").read_text(encoding="utf-8"))
@@ -230,11 +253,15 @@ def main() -> None:
         *table(groups, sizes),
         "",
         f"Plain models are read at K=1 (their fusion is untrained). The feedback model's best K is {best_k}.",
-        *answer(groups, best_k),
+        "",
+        check.line,
+        "",
+        *answer_lines,
         "",
         common.figure_line(args, path, "held-out loss vs tokens"),
     ]
     common.finish(args, NAME, "\n".join(body))
+    summary.record(args, NAME, summary.Row(figures, RULE_TEXT, check.held, said))
 
 
 if __name__ == "__main__":

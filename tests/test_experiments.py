@@ -1,6 +1,7 @@
 """Every experiment script of docs/results.md runs end to end in its --smoke mode and writes its
 block and plot; docs/results.md has each experiment's markers, and names a command that exists."""
 
+import json
 import os
 import re
 import shutil
@@ -17,15 +18,22 @@ EXPERIMENTS = {
     "text_efficiency": "| variant | schedule | tokens | mean K | loss K=1 | loss K=2 | loss K=3 |",
     "upcycle_split": "| run | loss K=1 | loss K=2 | loss K=3 | accuracy K=1 | accuracy K=2 |",
 }
-BUDGET_CHECKED = {"state_tracking"}
 RESULTS = os.path.join(ROOT, "docs", "results.md")
+SUMMARY = ("<!-- begin: experiments/summary.py -->", "<!-- end: experiments/summary.py -->")
+
+
+def without(text: str, blocks: list[tuple[str, str]]) -> str:
+    """`text` with the inside of each (begin, end) block cut out."""
+    for begin, end in blocks:
+        text = text.split(begin)[0] + begin + end + text.split(end)[1]
+    return text
 
 
 def test_results_md_has_every_experiments_block_and_nothing_else():
     text = open(RESULTS, encoding="utf-8").read()
     named = set(re.findall(r"<!-- begin: experiments/(\w+)\.py -->", text))
-    assert named == set(EXPERIMENTS)
-    helpers = ("common.py", "budget.py")
+    assert named == {*EXPERIMENTS, "summary"}  # summary.py: the table its rows make
+    helpers = ("common.py", "budget.py", "summary.py")
     scripts = {f[:-3] for f in os.listdir(os.path.join(ROOT, "experiments")) if f.endswith(".py") and f not in helpers}
     assert scripts == set(EXPERIMENTS)
     for name in EXPERIMENTS:
@@ -55,11 +63,16 @@ def test_experiment_smoke_run_writes_its_block_and_plot(name, smoke_dir):
     begin, end = f"<!-- begin: experiments/{name}.py -->", f"<!-- end: experiments/{name}.py -->"
     block = after.split(begin)[1].split(end)[0]
     assert "Smoke run" in block and EXPERIMENTS[name] in block
-    if name in BUDGET_CHECKED:  # no verdict without the check that the runs had settled
-        assert "\nbudget check: " in block and "\nverdict (" in block
+    # No verdict without the check that the runs had settled.
+    assert "\nbudget check: " in block and "\nverdict (" in block
     assert "nan" not in block.lower()
-    # Only this block changed.
-    assert after.split(begin)[0] == before.split(begin)[0] and after.split(end)[1] == before.split(end)[1]
+    # This experiment's row of the summary table, from this run; nothing else changed.
+    summary = after.split(SUMMARY[0])[1].split(SUMMARY[1])[0]
+    recorded = json.loads((smoke_dir / "docs" / "results" / "summary.json").read_text(encoding="utf-8"))[name]
+    assert recorded["smoke"] and f"{recorded['figures']} (smoke run)" in summary
+    for part in recorded["verdict"].split("; "):  # per task or length ("T=16: …; T=1024: …"): the block's own
+        assert part.split(": ", 1)[-1] in block, (part, block)
+    assert without(after, [(begin, end), SUMMARY]) == without(before, [(begin, end), SUMMARY])
     assert (smoke_dir / "docs" / "results" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
