@@ -37,6 +37,7 @@ class Check:
     line: str  # "budget check: …"
     worst: dict[str, Any]  # the arm that moved most: run, change, steps needed
     suggested_steps: int  # the budget the trend points to (the current one when held)
+    advice: str = ""  # what to change instead, where more steps are not the answer
 
 
 def value_at(curve: Sequence[tuple[int, dict[str, Any]]], metric: str, step: float) -> float:
@@ -116,7 +117,7 @@ def combined(checks: Sequence[Check]) -> Check:
     """Several checks as one: held where all held; the line of the first that failed (else the first)."""
     failed = [c for c in checks if not c.held]
     first = (failed or list(checks))[0]
-    return Check(not failed, first.line, first.worst, max(c.suggested_steps for c in checks))
+    return Check(not failed, first.line, first.worst, max(c.suggested_steps for c in checks), first.advice)
 
 
 def verdict(check_result: Check, decided: str) -> str:
@@ -124,4 +125,5 @@ def verdict(check_result: Check, decided: str) -> str:
     trend points to."""
     if check_result.held:
         return decided
-    return f"undecided at this budget (the trend points to about {check_result.suggested_steps} steps)"
+    advice = check_result.advice or f"the trend points to about {check_result.suggested_steps} steps"
+    return f"undecided at this budget ({advice})"

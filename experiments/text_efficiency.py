@@ -150,7 +150,8 @@ def budget_check(groups: Rows) -> budget.Check:
             f"budget check: failed - the plain model's loss improves by {100 * gain:.2f}% from N to its largest budget "
             f"(rule: more than {100 * STILL_IMPROVING:g}%), so no ratio of tokens can be read from these runs."
         )
-        return budget.Check(False, line, settled.worst, settled.suggested_steps)
+        advice = "the plain model has stopped improving by N: a smaller N or a larger model"
+        return budget.Check(False, line, settled.worst, settled.suggested_steps, advice)
     return settled
 
 
