@@ -127,13 +127,30 @@ def sweep_minutes(directory: str) -> float:
     return sum(sweep_dir.job_seconds(job.name) or 0.0 for job in jobs) / 60
 
 
-def state_tracking_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
+def state_tracking_runs(args: argparse.Namespace, factor: float = 1.0) -> list[dict[str, Any]]:
     """The state-tracking sweep's runs (`configs/sweeps/state_tracking.py`), trained now if they
-    are not yet; the smoke copy keeps the three schedules the experiments read (k1, k12, paper)."""
+    are not yet; the smoke copy keeps the three schedules the experiments read (k1, k12, paper).
+    `factor` scales its budget (steps, and the eval and checkpoint intervals with them) for a rung
+    of the budget ladder, trained in its own directory beside the first."""
     spec = os.path.join(REPO, "configs", "sweeps", "state_tracking.py")
     if args.smoke:
         spec = smoke_spec(spec, args.sweeps_dir, ("k1", "k12", "paper"))
-    return run_sweep(spec, os.path.join(args.sweeps_dir, "state_tracking"))
+    return run_sweep(spec, state_tracking_dir(args, factor), ladder_overrides(spec, factor))
+
+
+def state_tracking_dir(args: argparse.Namespace, factor: float = 1.0) -> str:
+    suffix = "" if factor == 1.0 else f"-x{factor:g}"
+    return os.path.join(args.sweeps_dir, f"state_tracking{suffix}")
+
+
+def ladder_overrides(spec: str, factor: float) -> list[str]:
+    """fbt-sweep overrides that scale the spec's steps and its eval and checkpoint intervals."""
+    if factor == 1.0:
+        return []
+    sizes = load_spec(spec)["overrides"]
+    return [
+        f"{key}={round(sizes[key] * factor)}" for key in ("train.steps", "eval.every_steps", "checkpoint.every_steps")
+    ]
 
 
 def prepare_stdlib(output: str, seq_len: int, files: str = "*.py") -> str:

@@ -11,14 +11,15 @@ held-out sequences:
 Before any verdict, the budget check (`budget.py`): over the last 20% of training every arm's
 held-out K=1 accuracy moved by less than 0.01 and its K=1 loss by less than 2%, and every feedback
 arm's K=2 loss by less than 2%. The verdict (the paper's mixture decodes better with latent
-feedback than without) is written only where that held.
+feedback than without) is written only where that held. Where it did not, the experiment climbs a
+budget ladder: the same sweep at 2.5× and then 5× the steps (`--ladder`), each in its own
+directory, stopping at the first rung whose check holds; each rung's check and verdict are shown.
 
     python experiments/state_tracking.py --write-docs docs/results.md
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import budget
@@ -141,39 +142,73 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     common.save_figure(fig, path)
 
 
+LADDER = "1,2.5,5"  # multiples of the spec's 6000 steps, climbed until the budget check holds
+SMOKE_LADDER = "1,2"
+
+
+def ladder_table(rungs: list[dict[str, Any]]) -> str:
+    """The paper mixture's decoding gain at each rung of the ladder, with that rung's check and verdict."""
+    header = ["steps", "budget check", "75/22/3 standard", "75/22/3 soft", "soft − standard", "verdict"]
+    lines = []
+    for rung in rungs:
+        rows = rung["rows"]
+        standard, soft = mode_accuracy(rows, "paper", "standard"), mode_accuracy(rows, "paper", "soft")
+        held = "held" if rung["check"].held else "failed"
+        lines.append([rung["steps"], held, common.mean_std(standard), common.mean_std(soft),
+                      common.mean_std(soft - standard), rung["said"]])  # fmt: skip
+    return common.docs_block.table(header, lines)
+
+
 def main() -> None:
-    args = common.arguments(__doc__, NAME)
-    timer = common.Timer()
-    rows = common.state_tracking_runs(args)
-    train_minutes = common.sweep_minutes(os.path.join(args.sweeps_dir, NAME))
+    ladder = ("--ladder", dict(default="", help=f"budget multiples to climb until the check holds (default {LADDER})"))
+    args = common.arguments(__doc__, NAME, extra=[ladder])
+    factors = [float(f) for f in (args.ladder or (SMOKE_LADDER if args.smoke else LADDER)).split(",")]
     num_sequences = 32 if args.smoke else 256
-    for row in rows:
-        row["modes"] = evaluate_modes(row, num_sequences)
+    rungs = []
+    for factor in factors:  # each rung is trained only when the one below it did not settle
+        rows = common.state_tracking_runs(args, factor)
+        timer = common.Timer()
+        for row in rows:
+            row["modes"] = evaluate_modes(row, num_sequences)
+        steps = rows[0]["tokens"] // (32 * 16)
+        check = budget_check(rows, f"{steps} steps")
+        line, summary_row = verdict(rows, check)
+        minutes = common.sweep_minutes(common.state_tracking_dir(args, factor))
+        rungs.append(dict(rows=rows, steps=steps, check=check, line=line, said=summary_row.verdict,
+                          row=summary_row, train=minutes, evaluate=timer.minutes()))  # fmt: skip
+        if check.held:
+            break
+    last = rungs[-1]
     figure = common.plot_path(args, NAME)
-    plot(rows, figure)
-    steps = rows[0]["tokens"] // (32 * 16)
-    check = budget_check(rows)
-    verdict_line, row = verdict(rows, check)
+    plot(last["rows"], figure)
+    timings = "; ".join(
+        f"{r['steps']} steps: {r['train']:.0f} min of job time, the mode evaluations {r['evaluate']:.1f} min"
+        for r in rungs
+    )
     body = [
         f"Written by `python experiments/{NAME}.py{' --smoke' if args.smoke else ''}` on {common.machine()}: "
-        f"{len(rows)} runs of {steps} steps (batch 32 × 16 tokens, model width 64, 2 layers), trained by "
-        f"`fbt-sweep run configs/sweeps/{NAME}.py --parallel=2` ({train_minutes:.0f} min of job time, two "
-        f"jobs at a time); the mode evaluations on {num_sequences} held-out sequences took {timer.minutes():.1f} min.",
+        f"{len(last['rows'])} runs per budget (batch 32 × 16 tokens, model width 64, 2 layers), trained by "
+        f"`fbt-sweep run configs/sweeps/{NAME}.py --parallel=2` (two jobs at a time), the budget multiplied by "
+        f"{', '.join(f'{f:g}' for f in factors)} in turn until the budget check holds ({timings}); the modes are "
+        f"evaluated on {num_sequences} held-out sequences.",
         "",
-        check.line,
+        *[f"{rung['check'].line}\n\n{rung['line']}\n" for rung in rungs],
+        "The budget ladder, the paper's mixture (accuracy after a 4-token prompt):\n",
+        ladder_table(rungs),
         "",
-        verdict_line,
-        "",
-        tables(rows),
+        f"Every mixture at {last['steps']} steps:\n",
+        tables(last["rows"]),
         "The contraction monitor at the final eval (`eval.jsonl`: the relative per-pass change of the 4 passes after "
         "the largest K each mixture trained, over all eval sequences; contracting = rate below 1 and last change "
         "below 1):\n",
-        monitor_table(rows),
+        monitor_table(last["rows"]),
         "",
         common.figure_line(args, figure, "held-out accuracy per eval K and decoding mode"),
     ]
     common.finish(args, NAME, "\n".join(body))
-    summary.record(args, NAME, row)
+    row = last["row"]
+    rule = f"{row.rule}; budget ladder ×{', ×'.join(f'{f:g}' for f in factors)} until it holds"
+    summary.record(args, NAME, summary.Row(row.figures, rule, row.held, row.verdict))
 
 
 if __name__ == "__main__":

@@ -25,25 +25,25 @@ RUNS = [
     (
         "README.md",
         "pip install -e . && fbt-train --config=configs/tiny.py",
-        "--config.train.steps=1000",
-        "trained 1000 steps",
+        "--config.train.steps=300",
+        "trained 300 steps",
     ),
     (
         "README.md",
         "pip install -e . && fbt-train --config=configs/tiny.py",
-        "--config.train.steps=1100",
+        "--config.train.steps=330",
         "resuming from checkpoint",
     ),
     (
         "docs/checkpointing.md",
         "fbt-train --config=configs/tiny.py --config.workdir=runs/tiny       # kill it at any moment …",
-        "--config.train.steps=1150",
+        "--config.train.steps=345",
         "resuming from checkpoint",
     ),
     (
         "docs/checkpointing.md",
         "fbt-train --config=configs/tiny.py --config.workdir=runs/tiny       # … and run it again: it resumes",
-        "--config.train.steps=1200",
+        "--config.train.steps=360",
         "resuming from checkpoint",
     ),
     (
@@ -327,8 +327,8 @@ def test_documented_commands_work_as_written(checkout_outputs):
         output = result.stdout + result.stderr
         assert result.returncode == 0, f"{doc}: `{line}` failed ({result.returncode}):\n{output[-3000:]}"
         assert expected in output, f"{doc}: `{line}` did not print {expected!r}:\n{output[-3000:]}"
-        if (doc, append) == ("README.md", "--config.train.steps=1000"):  # its first checkpoint, before any resume
-            assert os.path.isfile(os.path.join(ROOT, "runs", "tiny", "checkpoints", "1000", "commit_success.txt"))
+        if (doc, append) == ("README.md", "--config.train.steps=300"):  # its first checkpoint, before any resume
+            assert os.path.isfile(os.path.join(ROOT, "runs", "tiny", "checkpoints", "300", "commit_success.txt"))
     assert os.path.isfile(os.path.join(ROOT, "runs", "tiny", "eval", "report.json"))
 
 
