@@ -153,13 +153,15 @@ def ladder_overrides(spec: str, factor: float) -> list[str]:
     ]
 
 
-def prepare_stdlib(output: str, seq_len: int, files: str = "*.py") -> str:
-    """This interpreter's standard-library sources (the top-level modules matching `files`) as byte
-    records of `seq_len` tokens in `output`, 10% of the files held out; prepared once (fbt-prepare
-    refuses to overwrite, and a rerun of an experiment must not redo it). No download."""
+def prepare_stdlib(output: str, seq_len: int, files: str = "*.py", tokenizer: str = "") -> str:
+    """This interpreter's standard-library sources (`files`: comma-separated globs below its
+    directory) as records of `seq_len` tokens in `output` (bytes, or `tokenizer`'s ids), 10% of
+    the files held out; prepared once (fbt-prepare refuses to overwrite, and a rerun of an
+    experiment must not redo it). No download."""
     if not os.path.exists(os.path.join(output, "meta.json")):
-        pattern = os.path.join(os.path.dirname(os.__file__), files)
-        command = ["fbt-prepare", f"--input={pattern}", f"--output={output}", f"--seq-len={seq_len}"]
+        inputs = ",".join(os.path.join(os.path.dirname(os.__file__), f) for f in files.split(","))
+        command = ["fbt-prepare", f"--input={inputs}", f"--output={output}", f"--seq-len={seq_len}"]
+        command += [f"--tokenizer={tokenizer}"] if tokenizer else []
         subprocess.run(command + ["--validation-fraction=0.1"], check=True, stdout=subprocess.DEVNULL)
     return output
 
