@@ -2,9 +2,9 @@
 
 An experiment compares quantities at the end of its runs (held-out accuracy, loss). A comparison
 made while those are still moving is a verdict on the budget, not on the method. The rule: over
-the last `fraction` of training, every arm's compared quantity changed by less than a stated
-tolerance. The check reads the runs' own eval curves (what `fbt-sweep report` gathers) and gives
-one line beginning "budget check:". Where it fails, the trend names a budget: the change over the
+the last `fraction` of training, every arm's compared quantity (the mean over its seeds, as the
+verdicts compare it) changed by less than a stated tolerance. The check reads the runs' own eval
+curves (what `fbt-sweep report` gathers) and gives one line beginning "budget check:". Where it fails, the trend names a budget: the change over the
 window's second half against its first half fits an exponential approach to a limit, and the
 budget is the first whose own last window would change by less than the tolerance.
 """
@@ -50,14 +50,47 @@ def value_at(curve: Sequence[tuple[int, dict[str, Any]]], metric: str, step: flo
 def window_changes(row: dict[str, Any], rule: Rule) -> tuple[float, float, float, int]:
     """(change over the last window, over its first half, over its second half, the run's steps);
     relative to the final value when the rule is relative. The halves give the trend: both lie
-    inside the window, after any change of regime earlier in the run (a feedback phase's start)."""
+    inside the window, after any change of regime earlier in the run (a feedback phase's start).
+    With 4 or more evals in the window, its start, middle and end are read from a quadratic fitted
+    to them (so one noisy eval does not decide), else interpolated between the evals around them."""
     curve = row["curve"]
     end = max(r["step"] for _, r in curve if rule.metric in r)
     width = rule.fraction * end
-    last, middle, first = (value_at(curve, rule.metric, s) for s in (end, end - width / 2, end - width))
+    at = (end - width, end - width / 2, end)
+    inside = [(r["step"], r[rule.metric]) for _, r in curve if rule.metric in r and r["step"] >= end - width]
+    if len(inside) >= 4:
+        x, y = np.array(inside, float).T
+        fit = np.polyfit((x - end) / width, y, 2)
+        first, middle, last = (float(np.polyval(fit, (s - end) / width)) for s in at)
+    else:
+        first, middle, last = (value_at(curve, rule.metric, s) for s in at)
     scale = abs(last) if rule.relative else 1.0
     changes = (abs(last - first), abs(middle - first), abs(last - middle))
     return (*(c / max(scale, 1e-12) for c in changes), int(end))
+
+
+def arm_means(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per arm (the rows that differ only in their seed), its curve the mean over seeds at
+    the evals they share: the check judges what the verdict compares, an arm's mean."""
+    arms: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        key = tuple(sorted((k, str(v)) for k, v in row.items() if k.startswith("label.") and k != "label.seed"))
+        arms.setdefault(key, []).append(row)
+    out = []
+    for key, members in arms.items():
+        by_step: dict[int, list[dict[str, Any]]] = {}
+        for member in members:
+            for _, record in member["curve"]:
+                by_step.setdefault(record["step"], []).append(record)
+        curve = []
+        for step, records in sorted(by_step.items()):
+            if len(records) == len(members):
+                shared = set.intersection(*(set(r) for r in records)) - {"step"}
+                numbers = [k for k in shared if all(isinstance(r[k], (int, float)) for r in records)]
+                curve.append((step, {"step": step, **{k: float(np.mean([r[k] for r in records])) for k in numbers}}))
+        name = ",".join(f"{k.removeprefix('label.')}={v}" for k, v in key) or members[0]["run"]
+        out.append({"run": f"{name} (mean of {len(members)} seeds)", "curve": curve})
+    return out
 
 
 def steps_needed(change: float, first_half: float, second_half: float, steps: int, rule: Rule) -> int:
@@ -83,11 +116,11 @@ def steps_needed(change: float, first_half: float, second_half: float, steps: in
 
 
 def check(rows: Sequence[dict[str, Any]], rules: Sequence[Rule], what: str = "") -> Check:
-    """The check over every run (arm × seed) and rule; `what` names the runs in the line."""
+    """The check over every arm (its seeds' mean) and rule; `what` names the runs in the line."""
     worst: dict[str, Any] = {}
     suggested = 0
     for rule in rules:
-        for row in rows:
+        for row in arm_means(rows):
             change, first_half, second_half, steps = window_changes(row, rule)
             needed = steps_needed(change, first_half, second_half, steps, rule)
             suggested = max(suggested, needed)

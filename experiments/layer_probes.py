@@ -89,9 +89,13 @@ def late_mean(seeds: list[dict[str, Any]], name: str, seq_len: int) -> np.ndarra
 
 def judge(seeds: list[dict[str, Any]], seq_len: int) -> str:
     """The claim on one task's feedback-trained models: layer 0 at chance without feedback, ≥ 0.9
-    with one pass (reproduced); one pass raising it by ≥ 0.1 beyond twice the seeds' spread (partly)."""
+    with one pass (reproduced); one pass raising it by ≥ 0.1 beyond twice the seeds' spread (partly).
+    Untestable where the models did not learn the task: nothing is there to be read."""
     plain, one_pass = late_mean(seeds, "K1", seq_len), late_mean(seeds, "K2", seq_len)
     chance = late_mean(seeds, "chance", seq_len).mean()
+    learned = max(np.mean([r[f"final_accuracy_K{k}"] for r in seeds]) for k in (1, 2, 3))
+    if learned < chance + 0.1:
+        return f"untestable: no model learned the task (held-out accuracy {learned:.3f} at its best K, chance {chance:.3f})"
     gain = one_pass - plain
     spread = gain.std(ddof=1) / np.sqrt(len(gain)) if len(gain) > 1 else float("inf")
     if one_pass.mean() >= 0.9 and plain.mean() <= chance + 0.1:

@@ -166,7 +166,7 @@ NO_COST = 0.01  # nats/byte: the split may be worse than the one run by at most 
 def budget_check(results: list[dict[str, Any]], arms: tuple[str, ...]) -> budget.Check:
     """The feedback phases' K=2 loss settled: a split that merely has not caught up yet is a budget."""
     phases = [
-        {"run": f"{arm}, seed {i}", "curve": [(row["step"], row) for row in r[arm]]}
+        {"run": f"{arm}, seed {i}", "label.arm": arm, "label.seed": i, "curve": [(row["step"], row) for row in r[arm]]}
         for i, r in enumerate(results)
         for arm in arms
     ]

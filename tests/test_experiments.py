@@ -82,16 +82,23 @@ def test_the_budget_check_holds_on_a_settled_curve_and_extrapolates_a_moving_one
     sys.path.insert(0, os.path.join(ROOT, "experiments"))
     import budget
 
-    def run(name, tau, steps=2000, every=100):
+    def run(name, tau, steps=2000, every=100, seed=0, noise=lambda s: 0.0):
         # accuracy approaching 0.9 exponentially with time constant tau (steps)
-        curve = [(s, {"step": s, "accuracy_K1": 0.9 * (1 - np.exp(-s / tau))}) for s in range(every, steps + 1, every)]
-        return {"run": name, "curve": curve}
+        values = {s: 0.9 * (1 - np.exp(-s / tau)) + noise(s) for s in range(every, steps + 1, every)}
+        curve = [(s, {"step": s, "accuracy_K1": v}) for s, v in values.items()]
+        return {"run": f"{name}-{seed}", "label.schedule": name, "label.seed": seed, "curve": curve}
 
     rule = budget.Rule("accuracy_K1", tolerance=0.01)
     settled = budget.check([run("fast", 150), run("faster", 100)], [rule])
     assert settled.held and settled.line.startswith("budget check: held") and settled.suggested_steps == 2000
     moving = budget.check([run("fast", 150), run("slow", 1500)], [rule], "S3")
-    assert not moving.held and moving.worst["run"] == "slow" and "budget check: failed (S3)" in moving.line
+    assert not moving.held and moving.worst["run"].startswith("schedule=slow") and "failed (S3)" in moving.line
+    # An arm is judged by its seeds' mean: eval noise that no seed shares is not a trend. Each seed's
+    # last eval is off by 0.02 (failing the rule alone), in opposite directions; their mean is settled.
+    wobble = [lambda s, sign=sign: sign * 0.02 * (s == 2000) for sign in (1, -1)]
+    seeds = [run("noisy", 100, seed=i, noise=wobble[i]) for i in (0, 1)]
+    assert not budget.check(seeds[:1], [rule]).held
+    assert budget.check(seeds, [rule]).held
     # At the budget the trend names, the slow run's last window changes by less than the tolerance
     # (the exponential's windows shrink by a constant ratio: the geometric extrapolation is exact).
     longer = run("slow", 1500, steps=moving.suggested_steps, every=10)
