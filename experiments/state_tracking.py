@@ -188,8 +188,8 @@ def main() -> None:
     body = [
         f"Written by `python experiments/{NAME}.py{' --smoke' if args.smoke else ''}` on {common.machine()}: "
         f"{len(last['rows'])} runs per budget (batch 32 × 16 tokens, model width 64, 2 layers), trained by "
-        f"`fbt-sweep run configs/sweeps/{NAME}.py --parallel=2` (two jobs at a time), the budget multiplied by "
-        f"{', '.join(f'{f:g}' for f in factors)} in turn until the budget check holds ({timings}); the modes are "
+        f"`fbt-sweep run configs/sweeps/{NAME}.py --parallel=2` (two jobs at a time); budget ladder "
+        f"×{', ×'.join(f'{f:g}' for f in factors)}, climbed until the budget check holds ({timings}); the modes are "
         f"evaluated on {num_sequences} held-out sequences.",
         "",
         *[f"{rung['check'].line}\n\n{rung['line']}\n" for rung in rungs],
