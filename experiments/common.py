@@ -26,6 +26,9 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+# The commands the experiments run (fbt-sweep, fbt-prepare, ...) are this interpreter's, also when
+# it is started as .venv/bin/python without activating its environment.
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
 import docs_block  # noqa: E402  (benchmarks/docs_block.py: the marker-delimited blocks)
 
