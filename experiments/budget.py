@@ -4,8 +4,8 @@ An experiment compares quantities at the end of its runs (held-out accuracy, los
 made while those are still moving is a verdict on the budget, not on the method. The rule: over
 the last `fraction` of training, every arm's compared quantity (the mean over its seeds, as the
 verdicts compare it) changed by less than a stated tolerance. The check reads the runs' own eval
-curves (what `fbt-sweep report` gathers) and gives one line beginning "budget check:". Where it fails, the trend names a budget: the change over the
-window's second half against its first half fits an exponential approach to a limit, and the
+curves (what `fbt-sweep report` gathers) and gives one line beginning "budget check:". Where it
+fails, the trend names a budget: the change over the window's second half against its first half fits an exponential approach to a limit, and the
 budget is the first whose own last window would change by less than the tolerance.
 """
 
@@ -151,6 +151,15 @@ def combined(checks: Sequence[Check]) -> Check:
     failed = [c for c in checks if not c.held]
     first = (failed or list(checks))[0]
     return Check(not failed, first.line, first.worst, max(c.suggested_steps for c in checks), first.advice)
+
+
+def check_with_feedback(
+    rows: Sequence[dict[str, Any]], rules: Sequence[Rule], feedback_rules: Sequence[Rule], what: str = ""
+) -> Check:
+    """Every arm under `rules`, and the arms trained with feedback (schedule other than `k1`) also
+    under `feedback_rules` (the K>1 quantities a K=1-only model never trains)."""
+    feedback = [r for r in rows if r["label.schedule"] != "k1"]
+    return combined([check(rows, rules, what), check(feedback, feedback_rules, what)])
 
 
 def verdict(check_result: Check, decided: str) -> str:

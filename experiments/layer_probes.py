@@ -74,13 +74,7 @@ RECALL_FEEDBACK_RULES = (budget.Rule("accuracy_K2", 0.01), budget.Rule("loss_K2"
 
 def recall_check(rows: list[dict[str, Any]]) -> budget.Check:
     """Every arm's K=1 accuracy and loss settled, and the feedback arms' K=2 accuracy and loss."""
-    feedback = [r for r in rows if r["label.schedule"] != "k1"]
-    return budget.combined(
-        [
-            budget.check(rows, RECALL_RULES, "delayed recall"),
-            budget.check(feedback, RECALL_FEEDBACK_RULES, "delayed recall"),
-        ]
-    )
+    return budget.check_with_feedback(rows, RECALL_RULES, RECALL_FEEDBACK_RULES, "delayed recall")
 
 
 def late_mean(seeds: list[dict[str, Any]], name: str, seq_len: int) -> np.ndarray:

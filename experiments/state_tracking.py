@@ -48,8 +48,7 @@ FEEDBACK_RULES = (budget.Rule("loss_K2", 0.02, relative=True),)
 
 def budget_check(rows: list[dict[str, Any]], what: str = "") -> budget.Check:
     """Every arm's K=1 accuracy and loss, and the feedback arms' K=2 loss, settled (see the module doc)."""
-    feedback = [r for r in rows if r["label.schedule"] != "k1"]
-    return budget.combined([budget.check(rows, RULES, what), budget.check(feedback, FEEDBACK_RULES, what)])
+    return budget.check_with_feedback(rows, RULES, FEEDBACK_RULES, what)
 
 
 RULE_TEXT = "every arm's K=1 accuracy within 0.01 and K=1 loss within 2%, the feedback arms' K=2 loss within 2%"

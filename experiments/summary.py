@@ -20,6 +20,8 @@ import os
 
 import common
 
+from fbt_jax.data import store
+
 NAME = "summary"
 CLAIMS = {  # experiment: what the paper says (method.md §9)
     "state_tracking": "latent feedback helps on state tracking: the paper's 75/22/3 mixture decodes the S3 word "
@@ -90,12 +92,8 @@ def record(args: argparse.Namespace, name: str, row: Row) -> None:
     rows = load_rows(docs_path)
     rows[name] = dataclasses.replace(row, smoke=args.smoke)
     path = rows_path(docs_path)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     serialised = {n: dataclasses.asdict(rows[n]) for n in CLAIMS if n in rows}
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(serialised, f, indent=1, ensure_ascii=False)
-        f.write("\n")
-    os.replace(path + ".tmp", path)
+    store.write_json(path, serialised, staging=os.path.dirname(path))
     common.docs_block.write_block(docs_path, NAME, render(docs_path), folder="experiments")
 
 
