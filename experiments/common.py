@@ -13,6 +13,7 @@ probe experiments evaluate its models rather than train their own.
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import platform
 import subprocess
@@ -156,13 +157,36 @@ def ladder_overrides(spec: str, factor: float) -> list[str]:
     ]
 
 
+def stdlib_inputs(listing: str, files: str = "*.py") -> str:
+    """An fbt-* `--input` for this interpreter's standard-library sources (`files`: comma-separated
+    globs below its directory, `**` recursive): `@listing`, a file naming each match that is
+    non-empty UTF-8 text. The others (a package's bare `__init__.py`, the test suite's Latin-1
+    modules) are left out: fbt-prepare and fbt-train-tokenizer refuse them."""
+    root = os.path.dirname(os.__file__)
+    paths = {p for f in files.split(",") for p in glob.glob(os.path.join(root, f), recursive=True)}
+    os.makedirs(os.path.dirname(os.path.abspath(listing)), exist_ok=True)
+    with open(listing, "w", encoding="utf-8") as f:
+        f.writelines(f"{p}\n" for p in sorted(paths) if _is_utf8_text(p))
+    return f"@{os.path.abspath(listing)}"
+
+
+def _is_utf8_text(path: str) -> bool:
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return len(data) > 0
+
+
 def prepare_stdlib(output: str, seq_len: int, files: str = "*.py", tokenizer: str = "") -> str:
-    """This interpreter's standard-library sources (`files`: comma-separated globs below its
-    directory) as records of `seq_len` tokens in `output` (bytes, or `tokenizer`'s ids), 10% of
-    the files held out; prepared once (fbt-prepare refuses to overwrite, and a rerun of an
-    experiment must not redo it). No download."""
+    """This interpreter's standard-library sources (`files`, as `stdlib_inputs` takes them) as
+    records of `seq_len` tokens in `output` (bytes, or `tokenizer`'s ids), 10% of the files held
+    out; prepared once (fbt-prepare refuses to overwrite, and a rerun of an experiment must not redo
+    it). No download."""
     if not os.path.exists(os.path.join(output, "meta.json")):
-        inputs = ",".join(os.path.join(os.path.dirname(os.__file__), f) for f in files.split(","))
+        inputs = stdlib_inputs(f"{output.rstrip(os.sep)}.inputs.txt", files)
         command = ["fbt-prepare", f"--input={inputs}", f"--output={output}", f"--seq-len={seq_len}"]
         command += [f"--tokenizer={tokenizer}"] if tokenizer else []
         subprocess.run(command + ["--validation-fraction=0.1"], check=True, stdout=subprocess.DEVNULL)

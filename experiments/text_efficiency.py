@@ -75,7 +75,7 @@ def prepare(directory: str, sizes: Sizes) -> str:
     """The tokenizer (trained once on the sources) and the prepared records (once)."""
     tokenizer = os.path.join(directory, "tokenizer", "tokenizer.json")
     if not os.path.exists(tokenizer):
-        inputs = ",".join(os.path.join(os.path.dirname(os.__file__), f) for f in sizes.files.split(","))
+        inputs = common.stdlib_inputs(os.path.join(directory, "tokenizer", "inputs.txt"), sizes.files)
         command = ["fbt-train-tokenizer", f"--input={inputs}", f"--vocab-size={sizes.vocab}", f"--output={tokenizer}"]
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     return common.prepare_stdlib(os.path.join(directory, "prepared"), 128, sizes.files, tokenizer=tokenizer)
