@@ -16,6 +16,7 @@ import argparse
 import glob
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -131,15 +132,32 @@ def sweep_minutes(directory: str) -> float:
     return sum(sweep_dir.job_seconds(job.name) or 0.0 for job in jobs) / 60
 
 
-def state_tracking_runs(args: argparse.Namespace, factor: float = 1.0) -> list[dict[str, Any]]:
+LADDER = (1.0, 2.5, 5.0)  # the state-tracking budget ladder: multiples of its spec's steps
+SMOKE_LADDER = (1.0, 2.0)
+
+
+def state_tracking_runs(args: argparse.Namespace, factor: float | None = None) -> list[dict[str, Any]]:
     """The state-tracking sweep's runs (`configs/sweeps/state_tracking.py`), trained now if they
     are not yet; the smoke copy keeps the three schedules the experiments read (k1, k12, paper).
     `factor` scales its budget (steps, and the eval and checkpoint intervals with them) for a rung
-    of the budget ladder, trained in its own directory beside the first."""
+    of the budget ladder, trained in its own directory beside the first. Without one, the highest
+    rung whose sweep is complete on disk (the models the state-tracking verdict stands on), else ×1."""
     spec = os.path.join(REPO, "configs", "sweeps", "state_tracking.py")
     if args.smoke:
         spec = smoke_spec(spec, args.sweeps_dir, ("k1", "k12", "paper"))
+    if factor is None:
+        ladder = SMOKE_LADDER if args.smoke else LADDER
+        factor = next((f for f in reversed(ladder) if sweep_complete(state_tracking_dir(args, f))), 1.0)
     return run_sweep(spec, state_tracking_dir(args, factor), ladder_overrides(spec, factor))
+
+
+def sweep_complete(directory: str) -> bool:
+    """Whether `directory` holds a sweep every run of which has finished."""
+    if not os.path.exists(os.path.join(directory, "sweep.json")):
+        return False
+    sweep_dir = SweepDirectory(directory, os.path.basename(directory.rstrip("/")))
+    sweep, jobs = sweep_dir.load()
+    return len(gather(sweep_dir, sweep, jobs)) == len(sweep.runs)
 
 
 def state_tracking_dir(args: argparse.Namespace, factor: float = 1.0) -> str:
@@ -155,6 +173,45 @@ def ladder_overrides(spec: str, factor: float) -> list[str]:
     return [
         f"{key}={round(sizes[key] * factor)}" for key in ("train.steps", "eval.every_steps", "checkpoint.every_steps")
     ]
+
+
+EARLIER = " (earlier invocation)"  # marks a ladder row carried from the block an earlier invocation wrote
+
+
+def earlier_rungs(
+    args: argparse.Namespace, name: str, width: int, rung_steps: set[int], measured: set[int]
+) -> list[dict[str, Any]]:
+    """The rungs of a budget ladder (`rung_steps`) that an earlier invocation of experiment `name`
+    measured and wrote into the --write-docs block, and this one did not, as that block has them:
+    per rung, its rows of the ladder table (those of `width` cells whose first cell is its steps,
+    marked EARLIER), its "budget check:" paragraphs (those naming "<steps> steps") each with the
+    "verdict (" paragraph right after it, and the whole block (for figures the experiment parses
+    itself). A rung's runs need not survive on disk: a machine whose disk is wiped between sessions
+    climbs the ladder one rung per session. A smoke run carries nothing."""
+    if args.smoke or not args.write_docs or not os.path.exists(args.write_docs):
+        return []
+    begin, end = docs_block.markers(name, "experiments")
+    text = open(args.write_docs, encoding="utf-8").read()
+    if begin not in text or end not in text:
+        return []
+    block = text.split(begin, 1)[1].split(end, 1)[0]
+    paragraphs = [p.strip() for p in block.split("\n\n")]
+    rungs: dict[int, dict[str, Any]] = {}
+    for line in block.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        found = re.match(r"(\d+)", cells[0]) if line.startswith("| ") and len(cells) == width else None
+        steps = int(found.group(1)) if found else None
+        if steps is None or steps not in rung_steps or steps in measured:
+            continue
+        rung = rungs.setdefault(steps, dict(steps=steps, rows=[], paragraphs=[], block=block))
+        rung["rows"].append([f"{steps}{EARLIER}", *cells[1:]])
+    for steps, rung in rungs.items():
+        for i, paragraph in enumerate(paragraphs):
+            if paragraph.startswith("budget check:") and re.search(rf"(?<![\d,]){steps} steps", paragraph):
+                rung["paragraphs"].append(paragraph)
+                if i + 1 < len(paragraphs) and paragraphs[i + 1].startswith("verdict ("):
+                    rung["paragraphs"].append(paragraphs[i + 1])
+    return sorted(rungs.values(), key=lambda r: r["steps"])
 
 
 def stdlib_inputs(listing: str, files: str = "*.py") -> str:

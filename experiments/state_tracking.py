@@ -14,12 +14,16 @@ arm's K=2 loss by less than 2%. The verdict (the paper's mixture decodes better 
 feedback than without) is written only where that held. Where it did not, the experiment climbs a
 budget ladder: the same sweep at 2.5× and then 5× the steps (`--ladder`), each in its own
 directory, stopping at the first rung whose check holds; each rung's check and verdict are shown.
+A rung an earlier invocation measured keeps its row (carried from the block it wrote), so that
+`--ladder=2.5` can climb one rung in a later session, on a machine that kept none of the runs.
 
     python experiments/state_tracking.py --write-docs docs/results.md
 """
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 import budget
@@ -141,21 +145,25 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     common.save_figure(fig, path)
 
 
-LADDER = "1,2.5,5"  # multiples of the spec's 6000 steps, climbed until the budget check holds
-SMOKE_LADDER = "1,2"
+LADDER = ",".join(f"{f:g}" for f in common.LADDER)  # multiples of the spec's 6000 steps, climbed until the check holds
+SMOKE_LADDER = ",".join(f"{f:g}" for f in common.SMOKE_LADDER)
 
 
-def ladder_table(rungs: list[dict[str, Any]]) -> str:
-    """The paper mixture's decoding gain at each rung of the ladder, with that rung's check and verdict."""
-    header = ["steps", "budget check", "75/22/3 standard", "75/22/3 soft", "soft − standard", "verdict"]
-    lines = []
-    for rung in rungs:
-        rows = rung["rows"]
-        standard, soft = mode_accuracy(rows, "paper", "standard"), mode_accuracy(rows, "paper", "soft")
-        held = "held" if rung["check"].held else "failed"
-        lines.append([rung["steps"], held, common.mean_std(standard), common.mean_std(soft),
-                      common.mean_std(soft - standard), rung["said"]])  # fmt: skip
-    return common.docs_block.table(header, lines)
+def rung_factors(rungs: list[dict[str, Any]], base_steps: float) -> str:
+    """'×1, ×2.5': the budget multiples of the rungs shown."""
+    return ", ×".join(f"{r['steps'] / base_steps:g}" for r in rungs)
+
+
+LADDER_HEADER = ["steps", "budget check", "75/22/3 standard", "75/22/3 soft", "soft − standard", "verdict"]
+
+
+def ladder_cells(rung: dict[str, Any]) -> list[str]:
+    """The paper mixture's decoding gain at one rung of the ladder, with that rung's check and verdict."""
+    rows = rung["rows"]
+    standard, soft = mode_accuracy(rows, "paper", "standard"), mode_accuracy(rows, "paper", "soft")
+    held = "held" if rung["check"].held else "failed"
+    return [str(rung["steps"]), held, common.mean_std(standard), common.mean_std(soft),
+            common.mean_std(soft - standard), rung["said"]]  # fmt: skip
 
 
 def main() -> None:
@@ -178,22 +186,40 @@ def main() -> None:
         if check.held:
             break
     last = rungs[-1]
+    for rung in rungs:
+        rung.update(cells=ladder_cells(rung), paragraphs=[rung["check"].line, rung["line"]])
+    base_steps = rungs[0]["steps"] / factors[0]
+    rung_steps = {round(f * base_steps) for f in common.LADDER}
+    earlier = common.earlier_rungs(args, NAME, len(LADDER_HEADER), rung_steps, {r["steps"] for r in rungs})
+    for rung in earlier:  # its timing, as the block that measured it gave it
+        timing = re.search(
+            rf"{rung['steps']} steps: (\d+) min of job time, the mode evaluations ([\d.]+) min", rung["block"]
+        )
+        rung.update(train=float(timing.group(1)) if timing else math.nan, cells=rung["rows"][0],
+                    evaluate=float(timing.group(2)) if timing else math.nan)  # fmt: skip
+    shown = sorted(earlier + rungs, key=lambda r: r["steps"])
     figure = common.plot_path(args, NAME)
     plot(last["rows"], figure)
     timings = "; ".join(
         f"{r['steps']} steps: {r['train']:.0f} min of job time, the mode evaluations {r['evaluate']:.1f} min"
-        for r in rungs
+        for r in shown
+    )
+    carried = (
+        f" The rows marked{common.EARLIER} were measured by an earlier invocation of this script (its runs are not on this "
+        "disk) and are carried over from the block it wrote."
+        if earlier
+        else ""
     )
     body = [
         f"Written by `python experiments/{NAME}.py{' --smoke' if args.smoke else ''}` on {common.machine()}: "
         f"{len(last['rows'])} runs per budget (batch 32 × 16 tokens, model width 64, 2 layers), trained by "
         f"`fbt-sweep run configs/sweeps/{NAME}.py --parallel=2` (two jobs at a time); budget ladder "
-        f"×{', ×'.join(f'{f:g}' for f in factors)}, climbed until the budget check holds ({timings}); the modes are "
-        f"evaluated on {num_sequences} held-out sequences.",
+        f"×{rung_factors(shown, base_steps)}, climbed until the budget check holds "
+        f"({timings}); the modes are evaluated on {num_sequences} held-out sequences.{carried}",
         "",
-        *[f"{rung['check'].line}\n\n{rung['line']}\n" for rung in rungs],
+        *[f"{paragraph}\n" for rung in shown for paragraph in rung["paragraphs"]],
         "The budget ladder, the paper's mixture (accuracy after a 4-token prompt):\n",
-        ladder_table(rungs),
+        common.docs_block.table(LADDER_HEADER, [rung["cells"] for rung in shown]),
         "",
         f"Every mixture at {last['steps']} steps:\n",
         tables(last["rows"]),
@@ -206,7 +232,7 @@ def main() -> None:
     ]
     common.finish(args, NAME, "\n".join(body))
     row = last["row"]
-    rule = f"{row.rule}; budget ladder ×{', ×'.join(f'{f:g}' for f in factors)} until it holds"
+    rule = f"{row.rule}; budget ladder ×{rung_factors(shown, base_steps)} until it holds"
     summary.record(args, NAME, summary.Row(row.figures, rule, row.held, row.verdict))
 
 

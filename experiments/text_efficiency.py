@@ -42,6 +42,10 @@ RULE_TEXT = (
     "falling from N to its largest budget (by more than 1%)"
 )
 Rows = dict[str, list[dict[str, Any]]]
+LADDER = (1.0, 1.5, 2.5)  # multiples of N (every run's steps), climbed until every feedback arm's check holds
+SMOKE_LADDER = (1.0,)
+LADDER_HEADER = ["N (steps)", "feedback arm", "budget check", "tokens a plain model needs (at its better feedback K)",
+                 "verdict"]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +85,14 @@ def prepare(directory: str, sizes: Sizes) -> str:
     return common.prepare_stdlib(os.path.join(directory, "prepared"), 128, sizes.files, tokenizer=tokenizer)
 
 
-def write_spec(directory: str, data_path: str, sizes: Sizes) -> str:
-    """The sweep spec, written beside the sweep: its sizes depend on --smoke. The runs at N agree on
-    everything but the schedule, so fbt-sweep trains their common K=1 beginning once."""
+def rung_name(factor: float) -> str:
+    """A rung's sweep directory and spec name: `sweep` (×1), `sweep-x1.5`, ..."""
+    return "sweep" if factor == 1.0 else f"sweep-x{factor:g}"
+
+
+def write_spec(directory: str, data_path: str, sizes: Sizes, name: str = "sweep") -> str:
+    """The sweep spec, written beside the sweep: its sizes depend on --smoke and the rung. The runs
+    at N agree on everything but the schedule, so fbt-sweep trains their common K=1 beginning once."""
 
     def run(name: str, schedule: str, steps: int) -> dict[str, Any]:
         every = max(1, steps // sizes.points)
@@ -111,7 +120,7 @@ def write_spec(directory: str, data_path: str, sizes: Sizes) -> str:
         "runs": runs,
         "seeds": list(sizes.seeds),
     }
-    path = os.path.join(directory, "spec.py")
+    path = os.path.join(directory, "spec.py" if name == "sweep" else f"spec-{name}.py")
     with open(path, "w", encoding="utf-8") as f:
         f.write(f'"""Written by experiments/{NAME}.py."""\n\n\ndef get_sweep():\n    return {spec!r}\n')
     return path
@@ -172,17 +181,21 @@ def interval(groups: Rows, arm: str, k: int, draws: int = 2000) -> tuple[float, 
 
 
 def times(value: float, most: float) -> str:
-    return f"> {most:g}×" if not math.isfinite(value) else f"{value:.2f}×"
+    """A ratio of tokens as written: '> 2×' beyond the plain runs, '≤ 1×' where plain_N is already as good."""
+    if not math.isfinite(value):
+        return f"> {most:g}×"
+    return "≤ 1×" if value <= 1.0 else f"{value:.2f}×"
 
 
-def budget_check(groups: Rows, arm: str) -> budget.Check:
+def budget_check(groups: Rows, arm: str, steps: int) -> budget.Check:
     """`arm`'s fused loss settled, and the plain model still improving between N and its largest budget."""
-    settled = budget.check(groups[arm], (FEEDBACK_RULE,), MIXTURES[arm][1])
+    what = f"{MIXTURES[arm][1]}, N = {steps} steps"
+    settled = budget.check(groups[arm], (FEEDBACK_RULE,), what)
     plain = plain_points(groups)
     gain = (plain[0][1] - plain[-1][1]) / plain[0][1] if len(plain) > 1 else 0.0
     if gain <= STILL_IMPROVING:
         line = (
-            f"budget check: failed ({MIXTURES[arm][1]}) - the plain model's loss improves by {100 * gain:.2f}% from N "
+            f"budget check: failed ({what}) - the plain model's loss improves by {100 * gain:.2f}% from N "
             f"to its largest budget (rule: more than {100 * STILL_IMPROVING:g}%): no ratio of tokens can be read."
         )
         advice = "the plain model has stopped improving by N: a smaller N or a larger model"
@@ -198,7 +211,7 @@ def answer(groups: Rows, arm: str, check: budget.Check) -> tuple[list[str], str,
     best_k = min((2, 3), key=lambda k: mean_of(rows, f"final_loss_K{k}"))
     plain = plain_points(groups)
     most = plain[-1][0] / plain[0][0]
-    lines = [f"**{label}** (best K = {best_k}):"]
+    lines = [f"**{label}** (its better feedback depth: K = {best_k}):"]
     for k in (1, best_k):
         value, (low, high) = ratio(groups, arm, k), interval(groups, arm, k)
         lines.append(
@@ -221,7 +234,7 @@ def answer(groups: Rows, arm: str, check: budget.Check) -> tuple[list[str], str,
         decided = f"undecided (no plain run reaches 2N; the saving is at least {most:g}×)"
     said = budget.verdict(check, decided)
     lines += ["", f"verdict (feedback on N tokens ≈ plain on 2N, {label}): {said}", ""]
-    figures = f"{label}: {times(value, most)} N [{times(low, most)}, {times(high, most)}] at K={best_k}"
+    figures = f"{times(value, most)} N [{times(low, most)}, {times(high, most)}] at K={best_k}"
     return lines, said, figures
 
 
@@ -265,29 +278,67 @@ def plot(groups: Rows, path: str) -> None:
     common.save_figure(fig, path)
 
 
+def measure(directory: str, data_path: str, sizes: Sizes, factor: float) -> dict[str, Any]:
+    """One rung of the ladder: every run at `factor` × N steps, trained (or finished) and judged."""
+    sizes = dataclasses.replace(sizes, steps=round(factor * sizes.steps))
+    name = rung_name(factor)
+    rows = common.run_sweep(write_spec(directory, data_path, sizes, name), os.path.join(directory, name), parallel=2)
+    groups = common.by_label(rows, "run")
+    checks = {arm: budget_check(groups, arm, sizes.steps) for arm in sizes.mixtures}
+    answers = {arm: answer(groups, arm, checks[arm]) for arm in sizes.mixtures}
+    cells = [
+        [str(sizes.steps), MIXTURES[arm][1], "held" if checks[arm].held else "failed", answers[arm][2], answers[arm][1]]
+        for arm in sizes.mixtures
+    ]
+    minutes = common.sweep_minutes(os.path.join(directory, name))
+    return dict(steps=sizes.steps, sizes=sizes, groups=groups, checks=checks, answers=answers, cells=cells,
+                minutes=minutes)  # fmt: skip
+
+
 def main() -> None:
     timer = common.Timer()
-    args = common.arguments(__doc__, NAME)
+    ladder = ("--ladder", dict(default="", help=f"multiples of N to climb until every check holds (default "
+                                                f"{','.join(f'{f:g}' for f in LADDER)})"))  # fmt: skip
+    args = common.arguments(__doc__, NAME, extra=[ladder])
     sizes = SMOKE if args.smoke else FULL
+    factors = (
+        [float(f) for f in args.ladder.split(",")] if args.ladder else list(SMOKE_LADDER if args.smoke else LADDER)
+    )
     directory = os.path.abspath(args.dir)
     os.makedirs(directory, exist_ok=True)
     # The jobs compile the same few programs (trunks and their forks exactly the same): one cache.
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(directory, "compile_cache"))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     data_path = prepare(directory, sizes)
-    rows = common.run_sweep(write_spec(directory, data_path, sizes), os.path.join(directory, "sweep"), parallel=2)
-    groups = common.by_label(rows, "run")
-    checks = {arm: budget_check(groups, arm) for arm in sizes.mixtures}
-    answers = {arm: answer(groups, arm, checks[arm]) for arm in sizes.mixtures}
+    rungs = []
+    for factor in factors:  # each rung is trained only when the one below it did not settle
+        rungs.append(measure(directory, data_path, sizes, factor))
+        if all(check.held for check in rungs[-1]["checks"].values()):
+            break
+    last = rungs[-1]
+    sizes, groups, checks, answers = last["sizes"], last["groups"], last["checks"], last["answers"]
+    base_steps = (SMOKE if args.smoke else FULL).steps
+    rung_steps = {round(f * base_steps) for f in LADDER}
+    earlier = common.earlier_rungs(args, NAME, len(LADDER_HEADER), rung_steps, {r["steps"] for r in rungs})
+    for rung in earlier:
+        rung["cells"] = rung["rows"]
+    shown = sorted(earlier + rungs, key=lambda r: r["steps"])
     path = common.plot_path(args, NAME)
     plot(groups, path)
     meta = json.loads(pathlib.Path(data_path, "meta.json").read_text(encoding="utf-8"))
     source = meta["source"]  # the plan's summary: the globs, how many files, how many bytes
     n_tokens = groups[plain_name(1.0)][0]["tokens"]
+    minutes = "; ".join(f"N = {r['steps']} steps: {r['minutes']:.0f} min" for r in rungs)
+    carried = (
+        f" The ladder's rows marked{common.EARLIER} were measured by an earlier invocation (its runs are not on this "
+        "disk) and are carried over from the block it wrote."
+        if earlier
+        else ""
+    )
     body = [
         f"Written by `python experiments/{NAME}.py --write-docs docs/results.md`. Machine: {common.machine()}; "
-        f"its {len(rows)} runs took {common.sweep_minutes(os.path.join(directory, 'sweep')):.0f} min of job time "
-        f"(`fbt-sweep --parallel=2`, two jobs at a time, compiles included); this invocation {timer.minutes():.1f} min.",
+        f"the runs took {minutes} of job time (`fbt-sweep --parallel=2`, two jobs at a time, compiles included); "
+        f"this invocation {timer.minutes():.1f} min.{carried}",
         "",
         f"Corpus: {source['files']} Python files of this interpreter's standard library (`{sizes.files}` below "
         f"`{os.path.dirname(os.__file__)}`), {source['bytes']:,} bytes; a {sizes.vocab}-id byte-level BPE "
@@ -297,10 +348,21 @@ def main() -> None:
         "",
         f"Model: `configs/tiny.py`'s (width 64, 2 layers, 4 heads, 2 kv heads, MLP 256), batch {sizes.batch} × 128 "
         f"tokens, learning rate 3e-3 with {sizes.warmup} warmup steps and cosine decay over each run's own steps. "
-        f"N = {sizes.steps} steps = {n_tokens:,} tokens ({n_tokens / meta['tokens']['train']:.0%} of the training "
-        f"split). Seeds {', '.join(map(str, sizes.seeds))}. Final held-out loss (nats per token) on the first "
+        f"Budget ladder: N = {', '.join(str(round(f * base_steps)) for f in LADDER)} steps, climbed until every "
+        f"feedback arm's budget check holds (plain runs at N, 1.5N, 2N on each rung); this invocation measured N = "
+        f"{', '.join(str(r['steps']) for r in rungs)}. "
+        f"Seeds {', '.join(map(str, sizes.seeds))}. Final held-out loss (nats per token) on the first "
         f"{sizes.eval_batches * 32} validation records, fused from position 1 (K=2, 3: fused prefill); "
         "mean ± std over seeds. TFLOPs count every step's K passes; seconds are each run's jobs, trunk included.",
+        "",
+        "The budget ladder: the tokens a plain model needs to match each feedback arm at its better feedback depth "
+        "(as a multiple of N, with a 90% bootstrap interval over seeds), and the verdict per rung:",
+        "",
+        common.docs_block.table(LADDER_HEADER, [cells for rung in shown for cells in rung["cells"]]),
+        "",
+        *[f"{paragraph}\n" for rung in earlier for paragraph in rung["paragraphs"]],
+        f"At N = {sizes.steps} steps ({n_tokens:,} tokens, {n_tokens / meta['tokens']['train']:.0%} of the training "
+        "split):",
         "",
         *table(groups),
         "",
@@ -310,10 +372,13 @@ def main() -> None:
         common.figure_line(args, path, "held-out loss vs tokens"),
     ]
     common.finish(args, NAME, "\n".join(body))
-    figures = "tokens a plain model needs to match: " + "; ".join(answers[arm][2] for arm in sizes.mixtures)
+    figures = f"N = {sizes.steps} steps, tokens a plain model needs to match: " + "; ".join(
+        f"{MIXTURES[arm][1]}: {answers[arm][2]}" for arm in sizes.mixtures
+    )
     verdict = "; ".join(f"{MIXTURES[arm][1]}: {answers[arm][1]}" for arm in sizes.mixtures)
     held = all(check.held for check in checks.values())
-    summary.record(args, NAME, summary.Row(figures, RULE_TEXT, held, verdict))
+    rule = f"{RULE_TEXT}; budget ladder N × {', '.join(f'{f:g}' for f in LADDER)} until it holds"
+    summary.record(args, NAME, summary.Row(figures, rule, held, verdict))
 
 
 if __name__ == "__main__":

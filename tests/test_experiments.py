@@ -105,3 +105,34 @@ def test_the_budget_check_holds_on_a_settled_curve_and_extrapolates_a_moving_one
     assert budget.window_changes(longer, rule)[0] < 0.0105
     assert budget.verdict(moving, "reproduced").startswith("undecided at this budget (the trend points to about")
     assert budget.verdict(settled, "reproduced") == "reproduced"
+
+
+def test_a_later_invocation_keeps_the_ladder_rungs_an_earlier_one_wrote(tmp_path):
+    """A machine that keeps no runs between sessions climbs a budget ladder one rung per session:
+    the rows, checks and verdicts of rungs measured before are carried from the block, exactly."""
+    import argparse
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import common
+
+    block = "\n\n".join(
+        [
+            "Written by a script: 6000 steps: 49 min of job time.",
+            "budget check: failed (6000 steps) - moved 4.78% over the last 20% of 6000 steps.",
+            "verdict (the claim): undecided at this budget (the trend points to about 12000 steps)",
+            "budget check: failed (16000 steps) - a rung this invocation measures again.",
+            "verdict (the claim): not carried",
+            "| steps | budget check | verdict |\n|---|---|---|\n| 6000 | failed | undecided |\n"
+            "| 16000 | failed | measured again |\n| 160 | failed | not a rung |",
+            "| mixture | K=1 | K=2 | K=3 |\n|---|---|---|---|\n| 6000 | 0.5 | 0.6 | 0.7 |",  # a table of another width
+        ]
+    )
+    path = tmp_path / "results.md"
+    path.write_text(f"# Results\n\n<!-- begin: experiments/demo.py -->\n{block}\n<!-- end: experiments/demo.py -->\n")
+    args = argparse.Namespace(smoke=False, write_docs=str(path))
+    (rung,) = common.earlier_rungs(args, "demo", 3, {6000, 16000, 160000}, measured={16000})
+    assert rung["steps"] == 6000 and rung["rows"] == [[f"6000{common.EARLIER}", "failed", "undecided"]]
+    assert rung["paragraphs"] == block.split("\n\n")[1:3]  # "16000 steps" does not name the 6000-step rung
+    assert common.earlier_rungs(argparse.Namespace(smoke=True, write_docs=str(path)), "demo", 3, {6000}, set()) == []
+    assert common.earlier_rungs(args, "other", 3, {6000}, set()) == []  # no block of its own: nothing to carry
