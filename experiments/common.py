@@ -214,6 +214,16 @@ def earlier_rungs(
     return sorted(rungs.values(), key=lambda r: r["steps"])
 
 
+def carried_note(earlier: Sequence[dict[str, Any]]) -> str:
+    """The sentence a block adds when it shows rungs carried by `earlier_rungs` ('' when none)."""
+    if not earlier:
+        return ""
+    return (
+        f" The ladder's rows marked{EARLIER} were measured by an earlier invocation (its runs are not on this disk) "
+        "and are carried over from the block it wrote."
+    )
+
+
 def stdlib_inputs(listing: str, files: str = "*.py") -> str:
     """An fbt-* `--input` for this interpreter's standard-library sources (`files`: comma-separated
     globs below its directory, `**` recursive): `@listing`, a file naming each match that is

@@ -204,12 +204,7 @@ def main() -> None:
         f"{r['steps']} steps: {r['train']:.0f} min of job time, the mode evaluations {r['evaluate']:.1f} min"
         for r in shown
     )
-    carried = (
-        f" The rows marked{common.EARLIER} were measured by an earlier invocation of this script (its runs are not on this "
-        "disk) and are carried over from the block it wrote."
-        if earlier
-        else ""
-    )
+    carried = common.carried_note(earlier)
     body = [
         f"Written by `python experiments/{NAME}.py{' --smoke' if args.smoke else ''}` on {common.machine()}: "
         f"{len(last['rows'])} runs per budget (batch 32 × 16 tokens, model width 64, 2 layers), trained by "

@@ -268,12 +268,7 @@ def main() -> None:
     source = meta["source"]  # the plan's summary: the globs, how many files, how many bytes
     n_tokens = groups[plain_name(1.0)][0]["tokens"]
     minutes = "; ".join(f"N = {r['steps']} steps: {r['minutes']:.0f} min" for r in rungs)
-    carried = (
-        f" The ladder's rows marked{common.EARLIER} were measured by an earlier invocation (its runs are not on this "
-        "disk) and are carried over from the block it wrote."
-        if earlier
-        else ""
-    )
+    carried = common.carried_note(earlier)
     body = [
         f"Written by `python experiments/{NAME}.py --write-docs docs/results.md`. Machine: {common.machine()}; "
         f"the runs took {minutes} of job time (`fbt-sweep --parallel=2`, two jobs at a time, compiles included); "
