@@ -13,6 +13,7 @@ import random
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -298,6 +299,25 @@ def test_sigterm_outside_the_loop_keeps_a_final_error_and_restores_the_handler()
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(5)
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_sigterm_landing_in_a_garbage_collection_still_stops_start_up():
+    """Python ignores an exception raised inside `__del__` or a gc callback (jax has one): a SIGTERM
+    whose handler ran there was lost, and the run trained on to the end (CI saw it, rarely)."""
+    from fbt_jax.errors import Preempted
+    from fbt_jax.train.cli import sigterm_is_a_preemption
+
+    class SignalledWhileCollected:
+        def __del__(self):
+            signal.raise_signal(signal.SIGTERM)
+            sum(range(100))  # Python-level code: the handler runs here and its exception is ignored
+
+    before = sys.unraisablehook
+    with pytest.raises(Preempted, match="stopped by SIGTERM outside the training loop"):
+        with sigterm_is_a_preemption():
+            SignalledWhileCollected()  # collected at once
+            time.sleep(5)  # the signal sent again interrupts this
+    assert sys.unraisablehook is before
 
 
 def test_sigterm_during_a_restore_sets_no_checkpoint_aside(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -126,9 +127,35 @@ def sigterm_is_a_preemption() -> Iterator[Callable[[bool], None]]:
         return
     jax_owns_sigterm = False
 
+    resending = threading.Event()  # set while the hook below arms the handler again
+    reached = threading.Event()  # the stop reached this block's code, or the block ended
+    reached_lock = threading.Lock()
+
     def stop(signum: int, frame: Any) -> None:
+        if resending.is_set():
+            return  # it would be swallowed again; the next send lands outside the hook
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop: a second SIGTERM must not cut the unwinding
         raise SigtermOutsideTheLoop
+
+    def send_until_it_lands() -> None:
+        while not reached.wait(0.02):
+            with reached_lock:  # never after the block has put the previous handler back
+                if not reached.is_set():
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+    def send_again_if_swallowed(unraisable: Any) -> None:
+        # The handler runs in whatever Python code is executing, and a `__del__` or a garbage
+        # collector callback (jax has one) ignores what it raises: the stop would be lost and the
+        # run would train on. Send the signal again, from another thread, until it reaches the
+        # code the collection interrupted (or the loop's own handler, once that has taken over).
+        if not isinstance(unraisable.exc_value, SigtermOutsideTheLoop):
+            return previous_unraisablehook(unraisable)
+        resending.set()
+        try:
+            signal.signal(signal.SIGTERM, stop)
+            threading.Thread(target=send_until_it_lands, daemon=True).start()
+        finally:
+            resending.clear()
 
     def after_distributed(initialized: bool) -> None:
         nonlocal jax_owns_sigterm
@@ -138,6 +165,7 @@ def sigterm_is_a_preemption() -> Iterator[Callable[[bool], None]]:
             signal.signal(signal.SIGTERM, stop)
 
     previous = signal.signal(signal.SIGTERM, stop)
+    previous_unraisablehook, sys.unraisablehook = sys.unraisablehook, send_again_if_swallowed
     try:
         yield after_distributed
     except SigtermOutsideTheLoop as err:
@@ -149,5 +177,8 @@ def sigterm_is_a_preemption() -> Iterator[Callable[[bool], None]]:
             "saved so far is intact: run the same command again to resume"
         ) from None
     finally:
+        with reached_lock:
+            reached.set()
+        sys.unraisablehook = previous_unraisablehook
         if not jax_owns_sigterm:
             signal.signal(signal.SIGTERM, previous)
