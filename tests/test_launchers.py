@@ -37,12 +37,22 @@ from conftest import (
 
 # fbt-train for local.sh: process I's n-th start follows line n of $FAKE_DIR/plan.I: `exit S` (one
 # line on stderr, then status S), `kill SIG` (dies by that signal) or `wait` (runs until SIGTERM,
-# then says it was preempted and exits 75). Every start is one line of $FAKE_DIR/starts.
+# then says it was preempted and exits 75). Every start is one line of $FAKE_DIR/starts. As the
+# real processes meet in jax.distributed's start-up, each one acts only once all have started (a
+# process stopped by the launcher before it recorded its start would lose its place in the plan).
 FAKE_TRAIN = r"""#!/usr/bin/env bash
-id=0
-for arg in "$@"; do case "$arg" in --config.distributed.process_id=*) id=${arg#*=} ;; esac; done
-n=$(( $(cat "$FAKE_DIR/count.$id" 2>/dev/null || echo 0) + 1 )); echo "$n" > "$FAKE_DIR/count.$id"
-echo "$(date +%s.%N) $id $n $*" >> "$FAKE_DIR/starts"
+trap 'echo "fbt-train: preempted: stopped on request" >&2; exit 75' TERM
+id=0; processes=1
+for arg in "$@"; do case "$arg" in
+  --config.distributed.process_id=*) id=${arg#*=} ;; --config.distributed.num_processes=*) processes=${arg#*=} ;;
+esac; done
+started() { local c; c=$(cat "$FAKE_DIR/count.$1" 2>/dev/null); echo "${c:-0}"; }
+n=$(( $(started "$id") + 1 ))
+echo "$(date +%s.%N) $id $n $*" >> "$FAKE_DIR/starts"; echo "$n" > "$FAKE_DIR/count.$id.new"
+mv "$FAKE_DIR/count.$id.new" "$FAKE_DIR/count.$id"
+for (( other = 0; other < processes; other++ )); do
+  for (( tries = 0; tries < 200 && $(started "$other") < n; tries++ )); do sleep 0.05; done
+done
 plan=($(sed -n "${n}p" "$FAKE_DIR/plan.$id"))
 case "${plan[0]}" in
   exit) echo "fbt-train: start $n of process $id ends with status ${plan[1]}" >&2; exit "${plan[1]}" ;;
@@ -318,6 +328,30 @@ def test_a_sigterm_landing_in_a_garbage_collection_still_stops_start_up():
             SignalledWhileCollected()  # collected at once
             time.sleep(5)  # the signal sent again interrupts this
     assert sys.unraisablehook is before
+
+
+def test_a_hook_installed_during_start_up_outlives_the_sigterm_block(tmp_path):
+    """fbt-train diverts storage noise (an "Event loop is closed" from a tensorstore callback at
+    exit) inside the block; the block's exit put the previous hook back over it, and the noise
+    printed a traceback after a damaged checkpoint's one-line error (CI saw it, rarely)."""
+    log = tmp_path / "cmd.log"
+    code = (
+        "import sys\n"
+        "from fbt_jax.errors import divert_library_noise\n"
+        "from fbt_jax.train.cli import sigterm_is_a_preemption\n"
+        "with sigterm_is_a_preemption():\n"
+        "    divert_library_noise(sys.argv[1])\n"
+        "    diverting = sys.unraisablehook\n"
+        "assert sys.unraisablehook is diverting\n"
+        "class Callback:\n"  # a storage callback that finds its loop closed, reported as unraisable
+        "    def __del__(self): raise RuntimeError('Event loop is closed')\n"
+        "Callback()\n"
+        "print('fbt-train: checkpoint error: one line', file=sys.stderr)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(log)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == ["fbt-train: checkpoint error: one line"]
+    assert "RuntimeError: Event loop is closed" in log.read_text()
 
 
 def test_sigterm_during_a_restore_sets_no_checkpoint_aside(tmp_path, monkeypatch):

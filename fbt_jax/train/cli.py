@@ -148,7 +148,7 @@ def sigterm_is_a_preemption() -> Iterator[Callable[[bool], None]]:
         # collector callback (jax has one) ignores what it raises: the stop would be lost and the
         # run would train on. Send the signal again, from another thread, until it reaches the
         # code the collection interrupted (or the loop's own handler, once that has taken over).
-        if not isinstance(unraisable.exc_value, SigtermOutsideTheLoop):
+        if reached.is_set() or not isinstance(unraisable.exc_value, SigtermOutsideTheLoop):
             return previous_unraisablehook(unraisable)
         resending.set()
         try:
@@ -179,6 +179,9 @@ def sigterm_is_a_preemption() -> Iterator[Callable[[bool], None]]:
     finally:
         with reached_lock:
             reached.set()
-        sys.unraisablehook = previous_unraisablehook
+        if sys.unraisablehook is send_again_if_swallowed:
+            # A hook installed inside the block (divert_library_noise's) wraps this one and stays:
+            # putting the previous one back would undo it, and storage noise at exit would print.
+            sys.unraisablehook = previous_unraisablehook
         if not jax_owns_sigterm:
             signal.signal(signal.SIGTERM, previous)
