@@ -29,12 +29,6 @@ RUNS = [
         "trained 300 steps",
     ),
     (
-        "README.md",
-        "pip install -e . && fbt-train --config=configs/tiny.py",
-        "--config.train.steps=330",
-        "resuming from checkpoint",
-    ),
-    (
         "docs/checkpointing.md",
         "fbt-train --config=configs/tiny.py --config.workdir=runs/tiny       # kill it at any moment …",
         "--config.train.steps=345",
