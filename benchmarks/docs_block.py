@@ -22,14 +22,16 @@ class DocsBlockError(ValueError):
     """The Markdown file lacks the benchmark's markers (or has them more than once, or reversed)."""
 
 
-def markers(name: str, folder: str = "benchmarks") -> tuple[str, str]:
-    """The begin and end marker lines of script `name` (e.g. "step_cost") in `folder`."""
-    return f"<!-- begin: {folder}/{name}.py -->", f"<!-- end: {folder}/{name}.py -->"
+def markers(name: str, folder: str = "benchmarks", variant: str = "") -> tuple[str, str]:
+    """The begin and end marker lines of script `name` (e.g. "step_cost") in `folder`; a `variant`
+    (e.g. "--scale=gpu") is a block of its own for the same script run with those arguments."""
+    script = f"{folder}/{name}.py" + (f" {variant}" if variant else "")
+    return f"<!-- begin: {script} -->", f"<!-- end: {script} -->"
 
 
-def replace_block(text: str, name: str, body: str, folder: str = "benchmarks") -> str:
-    """`text` with the lines between the markers of `name` replaced by `body`."""
-    begin, end = markers(name, folder)
+def replace_block(text: str, name: str, body: str, folder: str = "benchmarks", variant: str = "") -> str:
+    """`text` with the lines between the markers of `name` (and `variant`) replaced by `body`."""
+    begin, end = markers(name, folder, variant)
     lines = text.splitlines(keepends=True)
     stripped = [line.strip() for line in lines]
     for marker in (begin, end):
@@ -79,24 +81,24 @@ def timing_arguments(
     return args
 
 
-def check_block(path: str, name: str, folder: str = "benchmarks") -> None:
+def check_block(path: str, name: str, folder: str = "benchmarks", variant: str = "") -> None:
     """Exit with one line unless `path` can be read and holds the markers of `name` (called before
     measuring, so that a wrong path fails in a second rather than after the whole run)."""
-    _rewrite(path, name, None, folder)
+    _rewrite(path, name, None, folder, variant)
 
 
-def write_block(path: str, name: str, body: str, folder: str = "benchmarks") -> None:
+def write_block(path: str, name: str, body: str, folder: str = "benchmarks", variant: str = "") -> None:
     """Replace the block of benchmark `name` in the Markdown file `path`; on any problem, exit
     with one line (`<name>.py: --write-docs <path>: <what is wrong>`)."""
-    _rewrite(path, name, body, folder)
-    print(f"wrote the figures of {folder}/{name}.py into {path}", file=sys.stderr)
+    _rewrite(path, name, body, folder, variant)
+    print(f"wrote the figures of {folder}/{name}.py {variant}".rstrip() + f" into {path}", file=sys.stderr)
 
 
-def _rewrite(path: str, name: str, body: str | None, folder: str = "benchmarks") -> None:
+def _rewrite(path: str, name: str, body: str | None, folder: str = "benchmarks", variant: str = "") -> None:
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
-        new_text = replace_block(text, name, body or "", folder)
+        new_text = replace_block(text, name, body or "", folder, variant)
         if body is not None:
             with open(path, "w", encoding="utf-8") as f:
                 f.write(new_text)

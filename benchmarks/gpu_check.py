@@ -13,8 +13,10 @@
 2. Speed and memory. The production train step (`fbt_jax.train.step.train_step`, compiled per K
    by the Trainer) of a ~350M-parameter config (D1024 L24 H16, T2048, vocabulary 32768, bf16
    compute, `dot_product` attention, scanned layers), timed for K = 1, 2, 3 in interleaved rounds:
-   median step time, tokens/s, MFU against the device's table peak (fbt_jax/hardware.py),
-   t(K)/(K·t(1)), the compiled per-device memory and the peak memory the device reports.
+   median step time, tokens/s, MFU against the device's table peak (fbt_jax/hardware.py) and
+   against the rate of a large bf16 matmul on random data measured in the same run (the chip as
+   found: clocks, power), t(K)/(K·t(1)), the compiled per-device memory and the peak memory the
+   device reports.
 
 `--smoke` runs both parts on whatever device there is (on a CPU-only machine: CPU against CPU,
 bf16 `dot_product` attention against einsum at K = 2 and fused decoding, then the tiny config's
@@ -159,6 +161,22 @@ def speed_config(smoke: bool):
     return config
 
 
+def measured_peak(device: jax.Device, smoke: bool, repeats: int = 10) -> float:
+    """FLOP/s of an n×n×n bf16 matmul on random data (never zeros: they run faster), the median of
+    `repeats` after a warm-up; n = 8192 (256 on the smoke run)."""
+    n = 256 if smoke else 8192
+    a, b = (jax.device_put(jax.random.normal(jax.random.PRNGKey(i), (n, n), jnp.bfloat16), device) for i in (3, 4))
+    matmul = jax.jit(lambda x, y: x @ y)
+    for _ in range(3):
+        matmul(a, b).block_until_ready()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a, b).block_until_ready()
+        samples.append(time.perf_counter() - start)
+    return 2.0 * n**3 / statistics.median(samples)
+
+
 def speed(device: jax.Device, smoke: bool, rounds: int) -> dict:
     config = speed_config(smoke)
     trainer = every_k_trainer(config, [device])
@@ -181,6 +199,7 @@ def speed(device: jax.Device, smoke: bool, rounds: int) -> dict:
             jax.block_until_ready((state, metrics))
             samples[k].append(time.perf_counter() - start)
     peak, peak_source = peak_flops_per_device(device)
+    matmul_peak = measured_peak(device, smoke)
     cfg = ModelConfig.from_config(config.model)
     tokens = config.train.batch_size * config.data.seq_len
     rows = {}
@@ -191,12 +210,14 @@ def speed(device: jax.Device, smoke: bool, rounds: int) -> dict:
             "median_step_seconds": t,
             "tokens_per_second": tokens / t,
             "mfu": flops / t / peak,
+            "mfu_measured_peak": flops / t / matmul_peak,
             "ratio_to_k_times_one_pass": t / (k * statistics.median(samples[1])),
             "compiled_device_gib": compiled[f"train_K{k}"].get("device_bytes", 0.0) / 2**30,
             "peak_in_use_gib": peak_in_use[k],
         }
     params = sum(x.size for x in jax.tree.leaves(state.params))
-    return {"params": params, "tokens_per_step": tokens, "peak_flops": peak, "peak_source": peak_source, "by_k": rows}
+    return {"params": params, "tokens_per_step": tokens, "peak_flops": peak, "peak_source": peak_source,
+            "measured_peak_flops": matmul_peak, "by_k": rows}  # fmt: skip
 
 
 def main() -> None:
@@ -212,16 +233,17 @@ def main() -> None:
         failed += [] if ok else [name]
         print(f"{'ok  ' if ok else 'FAIL'} {name:<40} max error {error:.2e} (tolerance {tol:g})")
     perf = speed(device, args.smoke, args.rounds)
-    print(
-        f"{perf['params'] / 1e6:.1f}M parameters, {perf['tokens_per_step']} tokens per step; peak {perf['peak_source']}"
-    )
-    header = ["K", "median step", "tokens/s", "MFU", "t(K)/(K·t(1))", "GiB compiled", "GiB peak in use"]
+    peaks = f"{perf['peak_source']}; bf16 matmul measured: {perf['measured_peak_flops'] / 1e12:.3g} TFLOP/s"
+    print(f"{perf['params'] / 1e6:.1f}M parameters, {perf['tokens_per_step']} tokens per step; peak {peaks}")
+    header = ["K", "median step", "tokens/s", "MFU (table)", "MFU (measured)", "t(K)/(K·t(1))", "GiB compiled",
+              "GiB peak in use"]  # fmt: skip
     rows = [
         [
             k,
             docs_block.ms(r["median_step_seconds"]),
             f"{r['tokens_per_second']:,.0f}",
             f"{r['mfu']:.1%}",
+            f"{r['mfu_measured_peak']:.1%}",
             f"{r['ratio_to_k_times_one_pass']:.3f}",
             f"{r['compiled_device_gib']:.1f}",
             "n/a" if r["peak_in_use_gib"] is None else f"{r['peak_in_use_gib']:.1f}",
@@ -231,7 +253,7 @@ def main() -> None:
     table = docs_block.table(header, rows)
     print(table)
     if args.write_docs:
-        machine = docs_block.machine_line([device], perf["peak_source"], args.smoke)
+        machine = docs_block.machine_line([device], peaks, args.smoke)
         docs_block.write_block(
             args.write_docs,
             "gpu_check",

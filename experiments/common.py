@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
 import docs_block  # noqa: E402  (benchmarks/docs_block.py: the marker-delimited blocks)
+import scales  # noqa: E402
 
 from fbt_jax.sweep.report import gather  # noqa: E402
 from fbt_jax.sweep.state import SweepDirectory  # noqa: E402
@@ -56,10 +57,12 @@ def arguments(doc: str, name: str, extra: Sequence[tuple[str, dict]] = ()) -> ar
     )
     args = parser.parse_args()
     if args.write_docs:  # its block and the summary's (experiments/summary.py): both are rewritten
-        docs_block.check_block(args.write_docs, name, folder="experiments")
+        docs_block.check_block(args.write_docs, name, folder="experiments", variant=scales.variant(args))
         docs_block.check_block(args.write_docs, "summary", folder="experiments")
     if not args.dir:
-        root = tempfile.mkdtemp(prefix="fbt-experiments-") if args.smoke else os.path.join("runs", "experiments")
+        scale = scales.of(args).name
+        default = os.path.join("runs", "experiments" if scale == "cpu" else f"experiments-{scale}")
+        root = tempfile.mkdtemp(prefix="fbt-experiments-") if args.smoke else default
         args.dir = os.path.join(root, name)
     # Experiments share sweeps (the state-tracking models) through this parent directory.
     args.sweeps_dir = os.path.dirname(os.path.abspath(args.dir))
@@ -68,19 +71,19 @@ def arguments(doc: str, name: str, extra: Sequence[tuple[str, dict]] = ()) -> ar
 
 def run_sweep(spec: str, directory: str, overrides: Sequence[str] = (), parallel: int = 2) -> list[dict[str, Any]]:
     """Train (or finish) the sweep of `spec` in `directory`; one record per run, as `fbt-sweep
-    report` gathers them (labels, final eval metrics, curve), plus the run's `workdir`."""
+    report` gathers them (labels, final eval metrics, curve), plus the run's `workdir` and `config`."""
     command = ["fbt-sweep", "run", spec, f"--dir={directory}", f"--parallel={parallel}"]
     command += [f"--override={o}" for o in overrides]
     print("$ " + " ".join(command), flush=True)
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     sweep_dir = SweepDirectory(directory, os.path.basename(directory.rstrip("/")))
     sweep, jobs = sweep_dir.load()
-    by_name = {job.name: job for job in jobs}
+    by_name, configs = {job.name: job for job in jobs}, {run.name: run.config for run in sweep.runs}
     rows = gather(sweep_dir, sweep, jobs)
     if len(rows) != len(sweep.runs):
         raise RuntimeError(f"{len(sweep.runs) - len(rows)} runs of {directory} did not finish; see `fbt-sweep status`")
     for row in rows:
-        row["workdir"] = by_name[row["run"]].workdir
+        row["workdir"], row["config"] = by_name[row["run"]].workdir, configs[row["run"]]
     return rows
 
 
@@ -141,14 +144,17 @@ def state_tracking_runs(args: argparse.Namespace, factor: float | None = None) -
     are not yet; the smoke copy keeps the three schedules the experiments read (k1, k12, paper).
     `factor` scales its budget (steps, and the eval and checkpoint intervals with them) for a rung
     of the budget ladder, trained in its own directory beside the first. Without one, the highest
-    rung whose sweep is complete on disk (the models the state-tracking verdict stands on), else ×1."""
+    rung whose sweep is complete on disk (the models the state-tracking verdict stands on), else ×1.
+    The experiment's scale (`scales.py`) sizes the model, batch and jobs at once."""
     spec = os.path.join(REPO, "configs", "sweeps", "state_tracking.py")
     if args.smoke:
         spec = smoke_spec(spec, args.sweeps_dir, ("k1", "k12", "paper"))
     if factor is None:
         ladder = SMOKE_LADDER if args.smoke else LADDER
         factor = next((f for f in reversed(ladder) if sweep_complete(state_tracking_dir(args, f))), 1.0)
-    return run_sweep(spec, state_tracking_dir(args, factor), ladder_overrides(spec, factor))
+    scale = scales.of(args)
+    overrides = scale.sweep_overrides() + ladder_overrides(spec, factor)
+    return run_sweep(spec, state_tracking_dir(args, factor), overrides, scale.parallel)
 
 
 def sweep_complete(directory: str) -> bool:
@@ -190,7 +196,7 @@ def earlier_rungs(
     climbs the ladder one rung per session. A smoke run carries nothing."""
     if args.smoke or not args.write_docs or not os.path.exists(args.write_docs):
         return []
-    begin, end = docs_block.markers(name, "experiments")
+    begin, end = docs_block.markers(name, "experiments", scales.variant(args))
     text = open(args.write_docs, encoding="utf-8").read()
     if begin not in text or end not in text:
         return []
@@ -277,7 +283,12 @@ def by_label(rows: Sequence[dict[str, Any]], label: str) -> dict[str, list[dict[
 
 
 def machine() -> str:
-    return f"{platform.machine()} CPU, {os.cpu_count()} cores"
+    """The CPU, or the accelerator where JAX has one (where the evaluations ran, and the jobs)."""
+    import jax
+
+    cpu = f"{platform.machine()} CPU, {os.cpu_count()} cores"
+    devices = jax.devices()
+    return cpu if devices[0].platform == "cpu" else f"{len(devices)} × {devices[0].device_kind} with an {cpu}"
 
 
 class Timer:
@@ -295,7 +306,7 @@ def finish(args: argparse.Namespace, name: str, body: str) -> None:
         body = f"{first}\n\nSmoke run (a few steps): these figures only show that the experiment runs.\n{rest}"
     print(body)
     if args.write_docs:
-        docs_block.write_block(args.write_docs, name, body, folder="experiments")
+        docs_block.write_block(args.write_docs, name, body, folder="experiments", variant=scales.variant(args))
 
 
 def figure_line(args: argparse.Namespace, path: str, caption: str) -> str:
@@ -327,4 +338,5 @@ def plot_path(args: argparse.Namespace, name: str) -> str:
         os.path.join(os.path.dirname(os.path.abspath(args.write_docs)), "results") if args.write_docs else args.dir
     )
     os.makedirs(directory, exist_ok=True)
-    return os.path.join(directory, f"{name}.png")
+    scale = scales.of(args).name  # a scaled run's plot beside the default one, not over it
+    return os.path.join(directory, f"{name}.png" if scale == "cpu" else f"{name}-{scale}.png")

@@ -29,6 +29,7 @@ from typing import Any
 import budget
 import common
 import numpy as np
+import scales
 import summary
 
 from fbt_jax.data.pipeline import make_source
@@ -74,7 +75,7 @@ def verdict(rows: list[dict[str, Any]], check: budget.Check) -> tuple[str, summa
         f"{common.mean_std(gains)} over {len(gains)} seeds: {said}"
     )
     figures = (
-        f"S3, {rows[0]['tokens'] // (32 * 16)} steps, {len(gains)} seeds, held-out accuracy after a 4-token prompt: "
+        f"S3, {size(rows[0]['config'])}, {rows[0]['config'].train.steps} steps, {len(gains)} seeds, held-out accuracy after a 4-token prompt: "
         f"75/22/3 standard {common.mean_std(mode_accuracy(rows, 'paper', 'standard'))}, soft "
         f"{common.mean_std(mode_accuracy(rows, 'paper', 'soft'))} (soft − standard {common.mean_std(gains)})"
     )
@@ -85,6 +86,13 @@ def verdict(rows: list[dict[str, Any]], check: budget.Check) -> tuple[str, summa
             f"{common.mean_std(mode_accuracy(rows, 'heavy', 'fused'))}"
         )
     return line, summary.Row(figures, f"{RULE_TEXT}, over the last 20% of steps", check.held, said)
+
+
+def size(config: Any) -> str:
+    """'width 64, 2 layers, batch 32 × 16 tokens': what the runs trained, from their own config."""
+    model = config.model
+    return (f"width {model.embed_dim}, {model.num_layers} layers, batch {config.train.batch_size} × "
+            f"{config.data.seq_len} tokens")  # fmt: skip
 
 
 def tables(rows: list[dict[str, Any]]) -> str:
@@ -168,7 +176,7 @@ def ladder_cells(rung: dict[str, Any]) -> list[str]:
 
 def main() -> None:
     ladder = ("--ladder", dict(default="", help=f"budget multiples to climb until the check holds (default {LADDER})"))
-    args = common.arguments(__doc__, NAME, extra=[ladder])
+    args = common.arguments(__doc__, NAME, extra=[ladder, scales.OPTION])
     factors = [float(f) for f in (args.ladder or (SMOKE_LADDER if args.smoke else LADDER)).split(",")]
     num_sequences = 32 if args.smoke else 256
     rungs = []
@@ -177,7 +185,7 @@ def main() -> None:
         timer = common.Timer()
         for row in rows:
             row["modes"] = evaluate_modes(row, num_sequences)
-        steps = rows[0]["tokens"] // (32 * 16)
+        steps = rows[0]["config"].train.steps
         check = budget_check(rows, f"{steps} steps")
         line, summary_row = verdict(rows, check)
         minutes = common.sweep_minutes(common.state_tracking_dir(args, factor))
@@ -205,10 +213,13 @@ def main() -> None:
         for r in shown
     )
     carried = common.carried_note(earlier)
+    scale = scales.of(args)
+    flags = "".join(f" {flag}" for flag in (scales.variant(args), "--smoke" if args.smoke else "") if flag)
+    overrides = "".join(f" --override={o}" for o in scale.sweep_overrides())
     body = [
-        f"Written by `python experiments/{NAME}.py{' --smoke' if args.smoke else ''}` on {common.machine()}: "
-        f"{len(last['rows'])} runs per budget (batch 32 × 16 tokens, model width 64, 2 layers), trained by "
-        f"`fbt-sweep run configs/sweeps/{NAME}.py --parallel=2` (two jobs at a time); budget ladder "
+        f"Written by `python experiments/{NAME}.py{flags}` on {common.machine()}: "
+        f"{len(last['rows'])} runs per budget ({size(last['rows'][0]['config'])}), trained by "
+        f"`fbt-sweep run configs/sweeps/{NAME}.py{overrides} --parallel={scale.parallel}` ({scale.about}); budget ladder "
         f"×{rung_factors(shown, base_steps)}, climbed until the budget check holds "
         f"({timings}); the modes are evaluated on {num_sequences} held-out sequences.{carried}",
         "",
@@ -228,7 +239,7 @@ def main() -> None:
     common.finish(args, NAME, "\n".join(body))
     row = last["row"]
     rule = f"{row.rule}; budget ladder ×{rung_factors(shown, base_steps)} until it holds"
-    summary.record(args, NAME, summary.Row(row.figures, rule, row.held, row.verdict))
+    summary.record(args, NAME, summary.Row(row.figures, rule, row.held, row.verdict), scales.variant(args))
 
 
 if __name__ == "__main__":

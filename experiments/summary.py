@@ -57,16 +57,23 @@ def load_rows(docs_path: str) -> dict[str, Row]:
         return {name: Row(**row) for name, row in json.load(f).items()}
 
 
+def key(name: str, variant: str = "") -> str:
+    """A row's key in summary.json: the experiment's name, then its scale where not the default."""
+    return f"{name} {variant}".rstrip()
+
+
 def table(rows: dict[str, Row]) -> str:
+    """One line per claim, then one per scaled run of its experiment (e.g. `--scale=gpu`)."""
     header = ["the paper says", "here", "budget rule", "held?", "verdict"]
     lines = []
     for name, claim in CLAIMS.items():
-        row = rows.get(name)
-        if row is None:
+        if name not in rows:
             lines.append([claim, f"not yet run with its budget check (`experiments/{name}.py`)", "–", "–", "undecided"])
-            continue
-        figures = f"{row.figures} (smoke run)" if row.smoke else row.figures
-        lines.append([claim, figures, row.rule, "yes" if row.held else "**no**", f"**{row.verdict}**"])
+        for row_key in sorted(k for k in rows if k.split(" ")[0] == name):
+            row, variant = rows[row_key], row_key.removeprefix(name).strip()
+            figures = f"{row.figures} (smoke run)" if row.smoke else row.figures
+            said = f"the same, at `{variant}`" if variant else claim
+            lines.append([said, figures, row.rule, "yes" if row.held else "**no**", f"**{row.verdict}**"])
     return common.docs_block.table(header, lines)
 
 
@@ -82,17 +89,19 @@ def render(docs_path: str) -> str:
     return "\n".join(body)
 
 
-def record(args: argparse.Namespace, name: str, row: Row) -> None:
-    """With --write-docs, store `name`'s row beside that file and rewrite its summary block."""
+def record(args: argparse.Namespace, name: str, row: Row, variant: str = "") -> None:
+    """With --write-docs, store `name`'s row (at `variant`, its scale) beside that file and rewrite
+    its summary block."""
     if name not in CLAIMS:
         raise KeyError(f"{name} has no claim in experiments/summary.py's CLAIMS")
     if not args.write_docs:
         return
     docs_path = args.write_docs
     rows = load_rows(docs_path)
-    rows[name] = dataclasses.replace(row, smoke=args.smoke)
+    rows[key(name, variant)] = dataclasses.replace(row, smoke=args.smoke)
     path = rows_path(docs_path)
-    serialised = {n: dataclasses.asdict(rows[n]) for n in CLAIMS if n in rows}
+    ordered = sorted(rows, key=lambda k: (list(CLAIMS).index(k.split(" ")[0]), k))
+    serialised = {k: dataclasses.asdict(rows[k]) for k in ordered if k.split(" ")[0] in CLAIMS}
     store.write_json(path, serialised, staging=os.path.dirname(path))
     common.docs_block.write_block(docs_path, NAME, render(docs_path), folder="experiments")
 

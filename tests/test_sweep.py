@@ -161,6 +161,34 @@ def test_print_lists_parents_first_and_slurm_chains_levels(tmp_path):
     assert "#SBATCH --array=0-" in open(scripts[0]).read()
 
 
+def test_jobs_sharing_a_gpu_get_no_preallocated_pool_and_the_users_memory_settings_stay(tmp_path, monkeypatch):
+    """JAX preallocates 75% of a GPU per process: with --parallel=2 and no device groups, the second
+    job would fail at its first allocation. Jobs given device groups, and memory settings the user
+    made, are left as they are."""
+    sweep = load_sweep(write_spec(tmp_path, extra='"seeds": [0]'))
+    directory = SweepDirectory(str(tmp_path / "dir"), sweep.name)
+    jobs = plan(sweep, directory.directory)
+    directory.write(sweep, jobs)
+    started = []
+
+    def fake_start(sweep_dir, job, env):
+        started.append(env)
+        return subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+
+    monkeypatch.setattr(executors, "_start", fake_start)
+    for name in executors.MEMORY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    executors.run_local(directory, jobs, parallel=2, log=lambda *_: None)
+    assert started and all(env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" for env in started)
+    started.clear()
+    executors.run_local(directory, jobs, parallel=2, device_groups=["0", "1"], log=lambda *_: None)
+    assert {env["CUDA_VISIBLE_DEVICES"] for env in started} <= {"0", "1"}
+    assert started and not any("XLA_PYTHON_CLIENT_PREALLOCATE" in env for env in started)
+    environ = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3"}
+    assert executors.job_environment(environ, None, shared=True) == environ
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in executors.job_environment({}, None, shared=False)
+
+
 def eval_lines(directory, run):
     return read_jsonl(os.path.join(directory, "runs", run), "eval.jsonl")
 

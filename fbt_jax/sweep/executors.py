@@ -63,7 +63,8 @@ def run_local(
     log: Callable[[str], None] = print,
 ) -> dict[str, int]:
     """Run every job that is not done, parents first, up to `parallel` at once (each with its own
-    `CUDA_VISIBLE_DEVICES` group when `device_groups` is given). A job another process is running
+    `CUDA_VISIBLE_DEVICES` group when `device_groups` is given, else sharing the accelerators
+    without preallocated memory pools: `job_environment`). A job another process is running
     (its workdir is locked) is waited for, not started twice; a failed job's descendants are
     skipped. SIGTERM or Ctrl-C stops the running jobs (each saves a checkpoint) and the sweep.
     Returns the exit code of every job started here."""
@@ -103,7 +104,8 @@ def run_local(
                     log(f"{job.name}: skipped ({job.parent} {parent})")
                 elif parent == "done" and free_groups and len(owned) < parallel:
                     group = free_groups.pop(0)
-                    owned[job.name] = (_start(sweep_dir, job, group), group, time.time())
+                    env = job_environment(dict(os.environ), group, shared=device_groups is None and parallel > 1)
+                    owned[job.name] = (_start(sweep_dir, job, env), group, time.time())
                     log(f"{job.name}: started ({job.kind}, steps {job.start}..{job.end})")
             time.sleep(0.2)
         if stop["requested"]:
@@ -119,10 +121,24 @@ def run_local(
     return codes
 
 
-def _start(sweep_dir: SweepDirectory, job: Job, device_group: str | None) -> subprocess.Popen:
-    env = dict(os.environ)
+# The variables by which a user sizes JAX's GPU memory pool; any of them set means the user decided.
+MEMORY_VARIABLES = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_ALLOCATOR")
+
+
+def job_environment(environ: dict[str, str], device_group: str | None, shared: bool) -> dict[str, str]:
+    """A job's environment: its device group as CUDA_VISIBLE_DEVICES; and where `shared` (several
+    jobs at once on the same accelerators), no up-front pool: JAX's default takes 75% of a GPU's
+    memory in every process, so the second job on a GPU would fail at its first allocation. Memory
+    settings the user made are kept."""
+    env = dict(environ)
     if device_group is not None:
         env["CUDA_VISIBLE_DEVICES"] = device_group
+    if shared and not any(name in env for name in MEMORY_VARIABLES):
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    return env
+
+
+def _start(sweep_dir: SweepDirectory, job: Job, env: dict[str, str]) -> subprocess.Popen:
     train = [sys.executable, "-m", "fbt_jax.train", f"--config={sweep_dir.job_file(job)}"]
     sweep_dir.clear_exit(job.name)
     with open(sweep_dir.log_file(job.name), "ab") as log_file:  # appended: a resumed job keeps its history
