@@ -117,7 +117,11 @@ def max_error(result, reference) -> float:
 
 def equality(device: jax.Device, smoke: bool) -> dict:
     """Accelerator against CPU: loss and gradients per K and variant, then decoding logits. The
-    reference runs on the CPU with einsum attention in the variant's compute dtype."""
+    reference runs on the CPU with einsum attention in the variant's compute dtype. In bf16 two
+    correct implementations round differently, and the feedback recurrence (soft and fused decoding
+    feed each step's state to the next) grows that difference step by step; so there both are
+    measured against the CPU's fp32 result, and the accelerator passes where it is within the
+    tolerance of it or at most twice as far from it as the CPU's own bf16 result is."""
     cpu = jax.devices("cpu")[0]
     base = check_config()
     params = nnx.state(build_model(base, 0), nnx.Param)
@@ -125,19 +129,25 @@ def equality(device: jax.Device, smoke: bool) -> dict:
     prompts, forced = on[cpu][1]["inputs"][:, :24], on[cpu][1]["inputs"][:, 24:32]
     # The smoke run checks the script, not a device: one variant, one K, one decoding mode.
     variants, pass_counts, modes = (VARIANTS[2:], (2,), ("fused",)) if smoke else (VARIANTS, PASS_COUNTS, decode.MODES)
+
+    def compare(run, cfg: ModelConfig, tol: float) -> tuple[float, float]:
+        reference = run(dataclasses.replace(base, compute_dtype=cfg.compute_dtype), cpu)
+        result = run(cfg, device)
+        if cfg.compute_dtype == "float32":
+            return max_error(result, reference), tol
+        truth = run(base, cpu)  # fp32, einsum
+        return max_error(result, truth), max(tol, 2 * max_error(reference, truth))
+
     results = {}
     with jax.default_matmul_precision("highest"):
         for impl, dtype, tol in variants:
             cfg = dataclasses.replace(base, attention_impl=impl, compute_dtype=dtype)
-            reference_cfg = dataclasses.replace(base, compute_dtype=dtype)
             for k in pass_counts:
-                reference = loss_and_grads(reference_cfg, *on[cpu], k)
-                result = loss_and_grads(cfg, *on[device], k)
-                results[f"train_{impl}_{dtype}_K{k}"] = (max_error(result, reference), tol)
+                train = lambda c, d, k=k: loss_and_grads(c, *on[d], k)
+                results[f"train_{impl}_{dtype}_K{k}"] = compare(train, cfg, tol)
             for mode in modes:
-                reference = decode_logits(reference_cfg, on[cpu][0], prompts, forced, mode)
-                result = decode_logits(cfg, on[device][0], *jax.device_put((prompts, forced), device), mode)
-                results[f"decode_{mode}_{impl}_{dtype}"] = (max_error(result, reference), tol)
+                logits = lambda c, d, mode=mode: decode_logits(c, on[d][0], *jax.device_put((prompts, forced), d), mode)
+                results[f"decode_{mode}_{impl}_{dtype}"] = compare(logits, cfg, tol)
     return results
 
 
@@ -157,6 +167,9 @@ def speed_config(smoke: bool):
         attention_impl="dot_product",
         scan_layers=True,
         loss_chunk_size=512,
+        # jax.nn.dot_product_attention falls back to XLA's T×T attention for packed rows' masks
+        # (first H200 run: 106 GiB at K=1 without remat): keep only block inputs for the backward.
+        remat="block",
     )
     return config
 
@@ -231,7 +244,7 @@ def main() -> None:
     for name, (error, tol) in checks.items():
         ok = error <= tol
         failed += [] if ok else [name]
-        print(f"{'ok  ' if ok else 'FAIL'} {name:<40} max error {error:.2e} (tolerance {tol:g})")
+        print(f"{'ok  ' if ok else 'FAIL'} {name:<40} max error {error:.2e} (tolerance {tol:.3g})")
     perf = speed(device, args.smoke, args.rounds)
     peaks = f"{perf['peak_source']}; bf16 matmul measured: {perf['measured_peak_flops'] / 1e12:.3g} TFLOP/s"
     print(f"{perf['params'] / 1e6:.1f}M parameters, {perf['tokens_per_step']} tokens per step; peak {peaks}")
