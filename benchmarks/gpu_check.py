@@ -1,15 +1,16 @@
 """GPU check: the accelerator computes what the CPU computes, then its speed and memory per K.
 
-    bash benchmarks/gpu_check.sh             # on a machine with a GPU: at most ~8 minutes on one H200
+    bash benchmarks/gpu_check.sh             # on a machine with a GPU: about 3 minutes on one H200
     python benchmarks/gpu_check.py [--smoke] [--rounds 5] [--write-docs PATH]
 
 1. Equality with the CPU reference. A small model (vocabulary 512, packed rows, prefix mix-in)
    computes its K-pass loss and gradients for K = 1, 2, 3 on the accelerator, with each attention
    implementation, and the CPU computes them with einsum attention in the same compute dtype.
    fp32 runs at the highest matmul precision (no TF32) and must agree to 1e-4 (relative to the
-   largest entry of each result); bf16 with `dot_product` attention (cuDNN's flash kernel where it
-   applies) to 5e-2. The logits of the three decoding modes (prefill, then teacher-forced cached
-   steps) are compared the same way. A mismatch ends the run with exit status 1.
+   largest entry of each result). bf16 (`dot_product` attention) is measured against the CPU's
+   fp32 result and must be within 5e-2 of it or at most twice as far as the CPU's own bf16
+   result (see `equality`). The logits of the three decoding modes (prefill, then teacher-forced
+   cached steps) are compared the same way. A mismatch ends the run with exit status 1.
 2. Speed and memory. The production train step (`fbt_jax.train.step.train_step`, compiled per K
    by the Trainer) of a ~350M-parameter config (D1024 L24 H16, T2048, vocabulary 32768, bf16
    compute, `dot_product` attention, scanned layers), timed for K = 1, 2, 3 in interleaved rounds:
@@ -240,11 +241,11 @@ def main() -> None:
         sys.exit("gpu_check.py: no accelerator here (jax.devices() lists only CPUs); run it where a GPU is, or --smoke")
     print(f"device: {device.device_kind} ({device.platform}); reference: {jax.devices('cpu')[0].device_kind}")
     checks = equality(device, args.smoke)
-    failed = []
-    for name, (error, tol) in checks.items():
-        ok = error <= tol
-        failed += [] if ok else [name]
-        print(f"{'ok  ' if ok else 'FAIL'} {name:<40} max error {error:.2e} (tolerance {tol:.3g})")
+    failed = [name for name, (error, tol) in checks.items() if error > tol]
+    check_rows = [[name, f"{error:.2e}", f"{tol:.3g}", "FAIL" if name in failed else "ok"]
+                  for name, (error, tol) in checks.items()]  # fmt: skip
+    check_table = docs_block.table(["check (accelerator against CPU)", "max error", "tolerance", ""], check_rows)
+    print(check_table)
     perf = speed(device, args.smoke, args.rounds)
     peaks = f"{perf['peak_source']}; bf16 matmul measured: {perf['measured_peak_flops'] / 1e12:.3g} TFLOP/s"
     print(f"{perf['params'] / 1e6:.1f}M parameters, {perf['tokens_per_step']} tokens per step; peak {peaks}")
@@ -270,7 +271,7 @@ def main() -> None:
         docs_block.write_block(
             args.write_docs,
             "gpu_check",
-            docs_block.block("gpu_check", docs_block.run_arguments(sys.argv[1:]), machine, [table]),
+            docs_block.block("gpu_check", docs_block.run_arguments(sys.argv[1:]), machine, [check_table, table]),
         )
     figures = {
         "checks": len(checks),

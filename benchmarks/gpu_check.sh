@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU check, at most ~8 minutes on one H200: the GPU's losses, gradients and decoding
+# One-shot GPU check, about 3 minutes on one H200 (first run 2026-12-04): the GPU's losses, gradients and decoding
 # logits against the CPU reference (exit 1 on a mismatch), then tokens/s, MFU and memory per K of
 # a ~350M-parameter config. Needs this package and a CUDA build of jax in the active environment:
 #     pip install -e . "jax[cuda12]"

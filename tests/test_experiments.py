@@ -33,11 +33,54 @@ def test_results_md_has_every_experiments_block_and_nothing_else():
     text = open(RESULTS, encoding="utf-8").read()
     named = set(re.findall(r"<!-- begin: experiments/(\w+)\.py -->", text))
     assert named == {*EXPERIMENTS, "summary"}  # summary.py: the table its rows make
-    helpers = ("common.py", "budget.py", "summary.py", "tokens_to_match.py")
+    helpers = ("common.py", "budget.py", "summary.py", "tokens_to_match.py", "scales.py")
     scripts = {f[:-3] for f in os.listdir(os.path.join(ROOT, "experiments")) if f.endswith(".py") and f not in helpers}
     assert scripts == set(EXPERIMENTS)
     for name in EXPERIMENTS:
         assert f"python experiments/{name}.py --write-docs docs/results.md" in text
+    # A block of a scaled run (`--scale=gpu`) is its experiment's, and the doc names its command.
+    for name, variant in re.findall(r"<!-- begin: experiments/(\w+)\.py (--scale=\w+) -->", text):
+        assert name in EXPERIMENTS and f"python experiments/{name}.py {variant} --write-docs docs/results.md" in text
+
+
+def test_a_scaled_run_sizes_every_job_and_writes_only_its_own_block_and_summary_row(tmp_path, monkeypatch):
+    """--scale=gpu: the scale's overrides and job count reach fbt-sweep (with the ladder's), and its
+    block, plot and summary row sit beside the default scale's, which stay as they were."""
+    import argparse
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import common
+    import scales
+    import summary
+
+    gpu = argparse.Namespace(scale="gpu", smoke=False, sweeps_dir=str(tmp_path), write_docs=str(tmp_path / "r.md"))
+    calls = []
+    monkeypatch.setattr(common, "run_sweep", lambda spec, directory, overrides, parallel: calls.append(
+        (directory, overrides, parallel)) or [])  # fmt: skip
+    common.state_tracking_runs(gpu, 2.5)
+    ((directory, overrides, parallel),) = calls
+    assert parallel == scales.SCALES["gpu"].parallel and directory.endswith("state_tracking-x2.5")
+    assert (
+        "model.embed_dim=256" in overrides and "train.batch_size=128" in overrides and "train.steps=15000" in overrides
+    )
+    assert scales.variant(gpu) == "--scale=gpu" and scales.variant(argparse.Namespace()) == ""
+    assert common.plot_path(gpu, "demo").endswith(os.path.join("results", "demo-gpu.png"))
+
+    cpu_block, gpu_block = (common.docs_block.markers("demo", "experiments", v) for v in ("", "--scale=gpu"))
+    text = "\n".join([*cpu_block, *gpu_block]) + "\n"
+    text = common.docs_block.replace_block(text, "demo", "GPU rows", "experiments", "--scale=gpu")
+    assert text.split(gpu_block[0])[1].split(gpu_block[1])[0].strip() == "GPU rows"
+    assert text.split(cpu_block[0])[1].split(cpu_block[1])[0] == "\n"
+
+    row = summary.Row("figures", "rule", held=False, verdict="undecided")
+    rows = {
+        "state_tracking": row,
+        summary.key("state_tracking", "--scale=gpu"): summary.Row("gpu figures", "r", False, "u"),
+    }
+    lines = summary.table(rows).splitlines()[2:]
+    assert lines[0].startswith(f"| {summary.CLAIMS['state_tracking']} | figures |")
+    assert lines[1].startswith("| the same, at `--scale=gpu` | gpu figures |")
 
 
 @pytest.fixture(scope="module")
