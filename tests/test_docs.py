@@ -278,11 +278,11 @@ def test_figures_in_docs_come_from_their_scripts():
     is filled."""
     for doc in DOCS:
         text = open(os.path.join(ROOT, doc), encoding="utf-8").read()
-        for script in re.findall(r"<!-- begin: ((?:benchmarks|experiments)/\S+\.py) -->", text):
+        for script, variant in re.findall(r"<!-- begin: ((?:benchmarks|experiments)/\S+\.py)( --\S+)? -->", text):
             assert os.path.isfile(os.path.join(ROOT, script)), f"{doc}: {script} does not exist"
-            block = text.split(f"<!-- begin: {script} -->")[1].split(f"<!-- end: {script} -->")[0]
-            assert f"Written by `python {script}" in block, (
-                f"{doc}: the block of {script} is empty; run it with --write-docs {doc}"
+            block = text.split(f"<!-- begin: {script}{variant} -->")[1].split(f"<!-- end: {script}{variant} -->")[0]
+            assert f"Written by `python {script}{variant}" in block, (  # a variant: the script run with it
+                f"{doc}: the block of {script}{variant} is empty; run it with{variant} --write-docs {doc}"
             )
 
 
