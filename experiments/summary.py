@@ -62,6 +62,12 @@ def key(name: str, variant: str = "") -> str:
     return f"{name} {variant}".rstrip()
 
 
+def split_key(row_key: str) -> tuple[str, str]:
+    """(experiment name, variant) of a row's key: `key`'s inverse."""
+    name, _, variant = row_key.partition(" ")
+    return name, variant
+
+
 def table(rows: dict[str, Row]) -> str:
     """One line per claim, then one per scaled run of its experiment (e.g. `--scale=gpu`)."""
     header = ["the paper says", "here", "budget rule", "held?", "verdict"]
@@ -69,8 +75,8 @@ def table(rows: dict[str, Row]) -> str:
     for name, claim in CLAIMS.items():
         if name not in rows:
             lines.append([claim, f"not yet run with its budget check (`experiments/{name}.py`)", "–", "–", "undecided"])
-        for row_key in sorted(k for k in rows if k.split(" ")[0] == name):
-            row, variant = rows[row_key], row_key.removeprefix(name).strip()
+        for row_key in sorted(k for k in rows if split_key(k)[0] == name):
+            row, variant = rows[row_key], split_key(row_key)[1]
             figures = f"{row.figures} (smoke run)" if row.smoke else row.figures
             said = f"the same, at `{variant}`" if variant else claim
             lines.append([said, figures, row.rule, "yes" if row.held else "**no**", f"**{row.verdict}**"])
@@ -100,8 +106,9 @@ def record(args: argparse.Namespace, name: str, row: Row, variant: str = "") -> 
     rows = load_rows(docs_path)
     rows[key(name, variant)] = dataclasses.replace(row, smoke=args.smoke)
     path = rows_path(docs_path)
-    ordered = sorted(rows, key=lambda k: (list(CLAIMS).index(k.split(" ")[0]), k))
-    serialised = {k: dataclasses.asdict(rows[k]) for k in ordered if k.split(" ")[0] in CLAIMS}
+    claimed = [k for k in rows if split_key(k)[0] in CLAIMS]
+    ordered = sorted(claimed, key=lambda k: (list(CLAIMS).index(split_key(k)[0]), k))
+    serialised = {k: dataclasses.asdict(rows[k]) for k in ordered}
     store.write_json(path, serialised, staging=os.path.dirname(path))
     common.docs_block.write_block(docs_path, NAME, render(docs_path), folder="experiments")
 

@@ -51,7 +51,9 @@ class Sizes:
     arms: tuple[str, ...] = ARMS
 
 
-FULL = Sizes(steps=2000, seeds=(0, 1, 2), eval_every=25, warmup=25)  # a 500-step phase: 250 left K=2 moving (trend ~400)
+FULL = Sizes(
+    steps=2000, seeds=(0, 1, 2), eval_every=25, warmup=25
+)  # a 500-step phase: 250 left K=2 moving (trend ~400)
 SMOKE = Sizes(steps=16, seeds=(0,), eval_every=2, warmup=2, extra=(
     "--config.optimizer.warmup_steps=2", "--config.eval.num_batches=1", "--config.train.batch_size=4"),
     arms=("readout",))  # fmt: skip

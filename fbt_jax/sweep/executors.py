@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from fbt_jax.errors import PREEMPTED_EXIT_CODE, ConfigError
 from fbt_jax.sweep.plan import Job
@@ -104,7 +104,7 @@ def run_local(
                     log(f"{job.name}: skipped ({job.parent} {parent})")
                 elif parent == "done" and free_groups and len(owned) < parallel:
                     group = free_groups.pop(0)
-                    env = job_environment(dict(os.environ), group, shared=device_groups is None and parallel > 1)
+                    env = job_environment(os.environ, group, shared=device_groups is None and parallel > 1)
                     owned[job.name] = (_start(sweep_dir, job, env), group, time.time())
                     log(f"{job.name}: started ({job.kind}, steps {job.start}..{job.end})")
             time.sleep(0.2)
@@ -125,7 +125,7 @@ def run_local(
 MEMORY_VARIABLES = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_ALLOCATOR")
 
 
-def job_environment(environ: dict[str, str], device_group: str | None, shared: bool) -> dict[str, str]:
+def job_environment(environ: Mapping[str, str], device_group: str | None, shared: bool) -> dict[str, str]:
     """A job's environment: its device group as CUDA_VISIBLE_DEVICES; and where `shared` (several
     jobs at once on the same accelerators), no up-front pool: JAX's default takes 75% of a GPU's
     memory in every process, so the second job on a GPU would fail at its first allocation. Memory
