@@ -10,6 +10,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 
 import jax
 import pytest
@@ -77,9 +78,23 @@ def _items(updates):
     return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in updates}
 
 
-def wandb_segments(workdir):
+def wandb_segments(workdir, wait_seconds=20.0):
     """What each life of the run logged to wandb, in the order they started: run id, config,
-    history rows (wandb's own `_` keys left out) and summary."""
+    history rows (wandb's own `_` keys left out) and summary. wandb's service process writes an
+    offline run's file on its own time (a loaded CI machine once read one that did not yet hold
+    its run record after `finish()` returned), so the files are read again until every one holds
+    it, for up to `wait_seconds`."""
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        segments = _read_segments(workdir)
+        if all(s["id"] is not None for s in segments) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    segments.sort(key=lambda segment: segment.pop("start", 0))
+    return segments
+
+
+def _read_segments(workdir):
     segments = []
     for path in glob.glob(os.path.join(workdir, "wandb", "offline-run-*", "*.wandb")):
         segment = {"id": None, "config": {}, "history": [], "summary": {}}
@@ -97,7 +112,6 @@ def wandb_segments(workdir):
                 segment["summary"].update(_items(record.summary.update))
         segment["config"].pop("_wandb", None)
         segments.append(segment)
-    segments.sort(key=lambda segment: segment.pop("start"))
     return segments
 
 
