@@ -198,7 +198,9 @@ for ((attempt = 1; ; attempt++)); do
     delay=$(backoff "$attempt")
     echo "local.sh: attempt $attempt/$attempts ended with status $status ($(describe_end)); restarting in $delay s" >&2
     sleep "$delay" &
-    wait $! || true  # a signal to the launcher interrupts the wait at once (its trap runs)
+    # A signal to the launcher interrupts the wait at once (its trap runs); one that came since the
+    # message above (its trap already ran) must not be followed by the whole back-off.
+    if [[ $interrupted -eq 0 ]]; then wait $! || true; fi
     kill $! 2>/dev/null || true
     if [[ $interrupted -eq 0 ]]; then continue; fi
     status=$signal_status
