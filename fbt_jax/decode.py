@@ -71,7 +71,7 @@ def prefill(
     num_passes = prefill_passes if mode == "fused" else 1
     fully_fused_B = jnp.ones((B,), jnp.int32)
     _, u_BPD = last_pass_inputs(model, model.embed(prompts_BP), fully_fused_B, num_passes, default_positions((B, P)))
-    h_BPD, cache_L = model.stack_cached(u_BPD, cache_L, jnp.zeros((B,), jnp.int32))
+    h_BPD, cache_L = model.stack_prefill(u_BPD, cache_L)
     h_last_BD = jnp.take_along_axis(h_BPD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
     return DecodeState(cache_L, lengths_B.astype(jnp.int32), h_last_BD, model.logits(h_last_BD[:, None])[:, 0])
 

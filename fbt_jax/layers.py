@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fbt_jax.attention import MaskSpec, attend, cached_attention
+
 # Logical axis names used by the parameters. The sharding rules map these to mesh axes.
 AXIS_VOCAB = "vocab"
 AXIS_EMBED = "embed"
@@ -42,9 +44,6 @@ PARAM_AXES = (
 )
 
 FUSIONS = ("glu", "add")
-# How attention is computed: explicit einsums, or jax.nn.dot_product_attention (cuDNN's fused
-# flash kernel on GPU when it applies, XLA elsewhere). Equal to fp32 rounding.
-ATTENTION_IMPLS = ("einsum", "dot_product")
 
 # A layer's key and value cache, (k_BSGH, v_BSGH).
 KVCache = tuple[jax.Array, jax.Array]
@@ -66,19 +65,6 @@ def normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype: Any) -> ja
 def default_positions(shape_BT: tuple[int, ...]) -> jax.Array:
     """Positions 0..T-1 for every row (unpacked sequences)."""
     return jnp.broadcast_to(jnp.arange(shape_BT[1], dtype=jnp.int32), shape_BT)
-
-
-def attention_mask(positions_BT: jax.Array, segment_ids_BT: jax.Array | None, window: int = 0) -> jax.Array:
-    """Causal mask (B, 1, T, T): query t sees key s iff s ≤ t (and both share a segment, and
-    t − s < window when a sliding window is set)."""
-    T = positions_BT.shape[1]
-    mask_TT = jnp.tril(jnp.ones((T, T), bool))
-    mask_BTT = jnp.broadcast_to(mask_TT, (positions_BT.shape[0], T, T))
-    if segment_ids_BT is not None:
-        mask_BTT = mask_BTT & (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
-    if window:
-        mask_BTT = mask_BTT & (positions_BT[:, :, None] - positions_BT[:, None, :] < window)
-    return mask_BTT[:, None]
 
 
 ROPE_SCALINGS = ("none", "linear", "llama3")
@@ -142,7 +128,8 @@ class RMSNorm(nnx.Module):
 
 class Attention(nnx.Module):
     """Multi-head causal attention with grouped kv heads (num_kv_heads divides num_heads), optional
-    q/k/v biases (Qwen2) and an optional sliding window (Mistral; applied by the caller's mask)."""
+    q/k/v biases (Qwen2) and an optional sliding window (Mistral; part of the caller's MaskSpec).
+    The attention itself is `fbt_jax.attention.attend` with the implementation `impl`."""
 
     def __init__(
         self,
@@ -152,8 +139,9 @@ class Attention(nnx.Module):
         param_dtype: Any,
         out_std: float,
         rngs: nnx.Rngs,
-        impl: str = "einsum",
+        impl: str = "xla",
         qkv_bias: bool = False,
+        layout: Any = None,
     ):
         D, (N, G, H) = embed_dim, shape_NGH
         in_std = D**-0.5
@@ -166,13 +154,22 @@ class Attention(nnx.Module):
             self.k_bias_GH = param(jnp.zeros((G, H), param_dtype), (AXIS_KV_HEADS, AXIS_HEAD_DIM))
             self.v_bias_GH = param(jnp.zeros((G, H), param_dtype), (AXIS_KV_HEADS, AXIS_HEAD_DIM))
         self.qkv_bias = qkv_bias
-        self.num_kv_heads = G
         self.rope = rope
         self.impl = impl
+        self.layout = layout  # sharding.ActivationLayout or None: where a kernel's shard_map splits q/k/v
 
-    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, mask_B1TT: jax.Array) -> jax.Array:
-        q_BTNH, k_BTGH, v_BTGH = self._project(x_BTD, positions_BT)
-        return self._attend(q_BTNH, k_BTGH, v_BTGH, mask_B1TT)
+    def __call__(self, x_BTD: jax.Array, spec: MaskSpec) -> jax.Array:
+        q_BTNH, k_BTGH, v_BTGH = self._project(x_BTD, spec.positions_BT)
+        return self._output(attend(q_BTNH, k_BTGH, v_BTGH, spec, self.impl, self.layout))
+
+    def prefill(self, x_BTD: jax.Array, spec: MaskSpec, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Attention over the T prompt positions themselves (the flash path where there is one),
+        their keys/values written at the start of each row's cache. Keys past a row's prompt are
+        never seen by its prompt (causality), so this equals attending over the cache."""
+        q_BTNH, k_BTGH, v_BTGH = self._project(x_BTD, spec.positions_BT)
+        T = x_BTD.shape[1]
+        cache = tuple(c.at[:, :T].set(new.astype(c.dtype)) for c, new in zip(cache, (k_BTGH, v_BTGH)))
+        return self._output(attend(q_BTNH, k_BTGH, v_BTGH, spec, self.impl, self.layout)), cache
 
     def cached(
         self, x_BTD: jax.Array, positions_BT: jax.Array, mask_B1TS: jax.Array, cache: KVCache, write_index_B: jax.Array
@@ -187,7 +184,8 @@ class Attention(nnx.Module):
         k_BSGH = jax.vmap(write)(cache[0], k_BTGH, write_index_B)
         v_BSGH = jax.vmap(write)(cache[1], v_BTGH, write_index_B)
         cd = x_BTD.dtype
-        return self._attend(q_BTNH, k_BSGH.astype(cd), v_BSGH.astype(cd), mask_B1TS), (k_BSGH, v_BSGH)
+        out_BTNH = cached_attention(q_BTNH, k_BSGH.astype(cd), v_BSGH.astype(cd), mask_B1TS, self.impl)
+        return self._output(out_BTNH), (k_BSGH, v_BSGH)
 
     def _project(self, x_BTD: jax.Array, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         cd = x_BTD.dtype
@@ -200,24 +198,8 @@ class Attention(nnx.Module):
             v_BTGH = v_BTGH + self.v_bias_GH[...].astype(cd)
         return rotary(q_BTNH, positions_BT, self.rope), rotary(k_BTGH, positions_BT, self.rope), v_BTGH
 
-    def _attend(self, q_BTNH: jax.Array, k_BSGH: jax.Array, v_BSGH: jax.Array, mask_B1TS: jax.Array) -> jax.Array:
-        cd = q_BTNH.dtype
-        if self.impl == "dot_product":
-            out_BTNH = jax.nn.dot_product_attention(
-                q_BTNH, k_BSGH, v_BSGH, mask=mask_B1TS, scale=q_BTNH.shape[-1] ** -0.5
-            )
-            return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_NHD[...].astype(cd))
-        B, T, N, H = q_BTNH.shape
-        G = self.num_kv_heads
-        acc = at_least_f32(cd)
-        # Query head n uses kv head n // R: split N into (G, R) instead of repeating the kv heads.
-        q_BTGRH = q_BTNH.reshape(B, T, G, N // G, H)
-        scores_BGRTS = jnp.einsum("btgrh,bsgh->bgrts", q_BTGRH, k_BSGH, preferred_element_type=acc) * (H**-0.5)
-        scores_BGRTS = jnp.where(mask_B1TS[:, :, None], scores_BGRTS, jnp.finfo(acc).min)
-        probs_BGRTS = jax.nn.softmax(scores_BGRTS, axis=-1).astype(cd)
-        out_BTGRH = jnp.einsum("bgrts,bsgh->btgrh", probs_BGRTS, v_BSGH)
-        out_BTNH = out_BTGRH.reshape(B, T, N, H)
-        return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_NHD[...].astype(cd))
+    def _output(self, out_BTNH: jax.Array) -> jax.Array:
+        return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_NHD[...].astype(out_BTNH.dtype))
 
 
 class SwiGLU(nnx.Module):

@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fbt_jax import attention
 from fbt_jax.errors import ConfigError
 from fbt_jax.layers import (
-    ATTENTION_IMPLS,
     AXIS_EMBED,
     AXIS_LAYERS,
     AXIS_VOCAB,
@@ -37,7 +37,6 @@ from fbt_jax.layers import (
     Rope,
     SwiGLU,
     at_least_f32,
-    attention_mask,
     default_positions,
     normal,
     param,
@@ -83,7 +82,7 @@ class ModelConfig:
     scale_logits: bool = True  # readout scaled by 1/sqrt(embed_dim), since the final-normed h has norm ~sqrt(D)
     remat: str = "none"  # a key of REMAT_POLICIES
     scan_layers: bool = False  # one scanned block: compile time flat in depth
-    attention_impl: str = "einsum"  # einsum | dot_product (jax.nn.dot_product_attention: cuDNN flash on GPU)
+    attention_impl: str = "auto"  # fbt_jax/attention/spec.py: auto | xla (= einsum) | dot_product | cudnn | pallas_gpu | splash
     loss_chunk_size: int = 0  # >0: readout + cross-entropy over chunks of this many positions (memory)
 
     @property
@@ -151,8 +150,8 @@ class ModelConfig:
             f"model.loss_chunk_size={self.loss_chunk_size!r} must be a non-negative integer (0: the whole sequence at once)",
         )
         require(
-            self.attention_impl in ATTENTION_IMPLS,
-            f"model.attention_impl={self.attention_impl!r} is unknown; use one of {ATTENTION_IMPLS}",
+            self.attention_impl in attention.IMPLS,
+            f"model.attention_impl={self.attention_impl!r} is unknown; use one of {attention.IMPLS}",
         )
         require(
             self.remat in REMAT_POLICIES, f"model.remat={self.remat!r} is unknown; use one of {tuple(REMAT_POLICIES)}"
@@ -162,20 +161,26 @@ class ModelConfig:
 class Block(nnx.Module):
     """Pre-norm residual block: x + Attn(norm(x)), then + MLP(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layout: Any = None):
         # Depth scaling (docs/method.md §7): residual branch outputs start at std / sqrt(2L) so the
         # residual stream, and hence the carried top state, stays O(1) as depth grows.
         out_std = cfg.embed_dim**-0.5 / math.sqrt(2 * cfg.num_layers)
         pdt = jnp.dtype(cfg.param_dtype)
         self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pdt)
         shape_NGH = (cfg.num_heads, cfg.num_kv_heads, cfg.head_size)
-        self.attn = Attention(cfg.embed_dim, shape_NGH, cfg.rope, pdt, out_std, rngs, cfg.attention_impl, cfg.qkv_bias)
+        impl, bias = cfg.attention_impl, cfg.qkv_bias
+        self.attn = Attention(cfg.embed_dim, shape_NGH, cfg.rope, pdt, out_std, rngs, impl, bias, layout)
         self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pdt)
         self.mlp = SwiGLU(cfg.embed_dim, cfg.mlp_dim, pdt, out_std, rngs)
 
-    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, mask_B1TT: jax.Array) -> jax.Array:
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, mask_B1TT)
+    def __call__(self, x_BTD: jax.Array, spec: attention.MaskSpec) -> jax.Array:
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), spec)
         return x_BTD + self.mlp(self.mlp_norm(x_BTD))
+
+    def prefill(self, x_BTD: jax.Array, spec: attention.MaskSpec, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        attn_BTD, cache = self.attn.prefill(self.attn_norm(x_BTD), spec, cache)
+        x_BTD = x_BTD + attn_BTD
+        return x_BTD + self.mlp(self.mlp_norm(x_BTD)), cache
 
     def cached(
         self, x_BTD: jax.Array, positions_BT: jax.Array, mask_B1TS: jax.Array, cache: KVCache, write_index_B: jax.Array
@@ -204,11 +209,11 @@ class FBTransformer(nnx.Module):
             @nnx.split_rngs(splits=cfg.num_layers)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: AXIS_LAYERS})
             def stacked_blocks(rngs: nnx.Rngs) -> Block:
-                return Block(cfg, rngs)
+                return Block(cfg, rngs, layout)
 
             self.blocks = stacked_blocks(rngs)
         else:
-            self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+            self.blocks = nnx.List([Block(cfg, rngs, layout) for _ in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pdt)
         self.fusion = Fusion(cfg.embed_dim, cfg.fusion, pdt, cfg.compute_dtype, rngs)
 
@@ -231,21 +236,41 @@ class FBTransformer(nnx.Module):
         """H = F(U): the L blocks and the final norm. Returns the top states h (compute dtype)."""
         if positions_BT is None:
             positions_BT = default_positions(u_BTD.shape[:2])
-        mask_B1TT = attention_mask(positions_BT, segment_ids_BT, self.cfg.sliding_window)
+        spec = attention.MaskSpec(positions_BT, segment_ids_BT, self.cfg.sliding_window)
         x_BTD = self._constrain(u_BTD.astype(self.compute_dtype))
         policy = REMAT_POLICIES[self.cfg.remat]
         apply = _apply_block if self.cfg.remat == "none" else nnx.remat(_apply_block, policy=policy)
         if self.cfg.scan_layers:
 
-            @nnx.scan(in_axes=(nnx.Carry, 0, None, None), out_axes=nnx.Carry)
-            def scan_blocks(x_BTD: jax.Array, block: Block, positions_BT: jax.Array, mask_B1TT: jax.Array):
-                return self._constrain(apply(block, x_BTD, positions_BT, mask_B1TT))
+            @nnx.scan(in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)
+            def scan_blocks(x_BTD: jax.Array, block: Block, spec: attention.MaskSpec):
+                return self._constrain(apply(block, x_BTD, spec))
 
-            x_BTD = scan_blocks(x_BTD, self.blocks, positions_BT, mask_B1TT)
+            x_BTD = scan_blocks(x_BTD, self.blocks, spec)
         else:
             for block in self.blocks:
-                x_BTD = self._constrain(apply(block, x_BTD, positions_BT, mask_B1TT))
+                x_BTD = self._constrain(apply(block, x_BTD, spec))
         return self.final_norm(x_BTD)
+
+    def stack_prefill(self, u_BTD: jax.Array, cache_L: KVCache) -> tuple[jax.Array, KVCache]:
+        """F over the first T positions of every row (decoding's prefill), filling the start of a
+        KV cache of any length: the same attention as training (a flash kernel where there is one)."""
+        spec = attention.MaskSpec(default_positions(u_BTD.shape[:2]), None, self.cfg.sliding_window)
+        x_BTD = u_BTD.astype(self.compute_dtype)
+        if self.cfg.scan_layers:
+
+            @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+            def scan_blocks(x_BTD: jax.Array, block: Block, cache: KVCache):
+                return block.prefill(x_BTD, spec, cache)
+
+            x_BTD, cache_L = scan_blocks(x_BTD, self.blocks, cache_L)
+        else:
+            layers = []
+            for i, block in enumerate(self.blocks):
+                x_BTD, layer_cache = block.prefill(x_BTD, spec, (cache_L[0][i], cache_L[1][i]))
+                layers.append(layer_cache)
+            cache_L = (jnp.stack([k for k, _ in layers]), jnp.stack([v for _, v in layers]))
+        return self.final_norm(x_BTD), cache_L
 
     def stack_cached(self, u_BTD: jax.Array, cache_L: KVCache, write_index_B: jax.Array) -> tuple[jax.Array, KVCache]:
         """F over T new positions per row, continuing a KV cache (decoding).
@@ -304,8 +329,8 @@ class FBTransformer(nnx.Module):
         return self.cfg.embed_dim**-0.5 if self.cfg.scale_logits else 1.0
 
 
-def _apply_block(block: Block, x_BTD: jax.Array, positions_BT: jax.Array, mask_B1TT: jax.Array) -> jax.Array:
-    return block(x_BTD, positions_BT, mask_B1TT)
+def _apply_block(block: Block, x_BTD: jax.Array, spec: attention.MaskSpec) -> jax.Array:
+    return block(x_BTD, spec)
 
 
 def build_model(cfg: ModelConfig, seed: int, layout: Any = None) -> FBTransformer:

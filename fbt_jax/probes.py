@@ -25,7 +25,8 @@ import optax
 
 from fbt_jax.errors import ConfigError
 from fbt_jax.feedback import last_pass_inputs
-from fbt_jax.layers import attention_mask, default_positions
+from fbt_jax.attention import MaskSpec
+from fbt_jax.layers import default_positions
 
 
 def feedback_settings(seq_len: int) -> dict[str, int]:
@@ -40,11 +41,11 @@ def layer_features(model: Any, tokens: jax.Array, num_passes: int) -> list[np.nd
     positions = default_positions(tokens.shape)
     fully_fused = jnp.ones(tokens.shape[0], jnp.int32)
     _, u = last_pass_inputs(model, model.embed(tokens), fully_fused, num_passes, positions)
-    mask = attention_mask(positions, None)
+    spec = MaskSpec(positions, None, model.cfg.sliding_window)
     x = u.astype(model.compute_dtype)
     outputs = []
     for block in model.blocks:
-        x = block(x, positions, mask)
+        x = block(x, spec)
         outputs.append(np.asarray(x, np.float32))
     return outputs
 

@@ -41,6 +41,11 @@ Rules = dict[str, tuple[str, ...]]
 class ActivationLayout:
     activations: NamedSharding  # (B, T, D) at block boundaries: batch-split, features replicated
     embedding_table: NamedSharding  # the (V, D) table as used by the token lookup
+    # Where an attention kernel's shard_map splits its inputs: rows over the batch axes, heads
+    # over the heads' axes (each device attends its own rows and heads).
+    heads_BTNH: NamedSharding
+    kv_heads_BTGH: NamedSharding
+    rows_BT: NamedSharding
 
 
 def mesh_shape(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -168,6 +173,9 @@ def activation_layout(mesh: Mesh, rules: Rules) -> ActivationLayout:
         # on `embed` cannot be re-split by batch efficiently (XLA falls back to replicating), so
         # gather the table along `embed` first, as FSDP does for every weight it uses.
         embedding_table=NamedSharding(mesh, logical_to_spec(("vocab", None), rules)),
+        heads_BTNH=NamedSharding(mesh, logical_to_spec((BATCH_AXIS, None, "heads", None), rules)),
+        kv_heads_BTGH=NamedSharding(mesh, logical_to_spec((BATCH_AXIS, None, "kv_heads", None), rules)),
+        rows_BT=NamedSharding(mesh, logical_to_spec((BATCH_AXIS, None), rules)),
     )
 
 

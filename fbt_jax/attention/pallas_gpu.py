@@ -1,0 +1,64 @@
+"""The Pallas-Triton flash attention kernel (`jax.experimental.pallas.ops.gpu.attention.mha`) with
+segment ids for packed rows; on the CPU it runs in interpret mode (the tests).
+
+The kernel wants q, k, v with the same number of heads, so grouped kv heads are repeated (query
+head n reads kv head n // R). It tiles the sequence in blocks, so rows are padded at the end to a
+multiple of the block; causality keeps every real query from seeing the padding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.gpu import attention as triton_attention
+
+from fbt_jax.attention.spec import MaskSpec
+
+# The kernel's own defaults (forward 128×128, backward 32-blocks). A sequence shorter than a block
+# uses one block of its (power-of-two padded) length. Chosen by measurement: see
+# docs/performance.md (gpu_check --attention=pallas_gpu --pallas-block=…).
+FORWARD_BLOCK = 128
+BACKWARD_BLOCK = 32
+
+
+def block_sizes(seq_len: int, forward: int = FORWARD_BLOCK, backward: int = BACKWARD_BLOCK) -> tuple[int, int, int]:
+    """(padded length, forward block, backward block) for a row of `seq_len` positions."""
+    quantum = min(forward, max(backward, 1 << (seq_len - 1).bit_length()))
+    padded = -(-seq_len // quantum) * quantum
+    return padded, min(forward, padded), min(backward, padded)
+
+
+def pallas_gpu_attention(
+    q_BTNH: jax.Array,
+    k_BTGH: jax.Array,
+    v_BTGH: jax.Array,
+    spec: MaskSpec,
+    forward_block: int = FORWARD_BLOCK,
+    backward_block: int = BACKWARD_BLOCK,
+) -> jax.Array:
+    if spec.window:
+        raise ValueError("pallas_gpu_attention: no sliding window (resolve() refuses it)")
+    B, T, N, H = q_BTNH.shape
+    R = N // k_BTGH.shape[2]
+    k_BTNH, v_BTNH = (jnp.repeat(x, R, axis=2) if R > 1 else x for x in (k_BTGH, v_BTGH))
+    padded, fwd, bwd = block_sizes(T, forward_block, backward_block)
+    segment_ids_BT = spec.segment_ids_BT
+    if padded != T:
+        pad = ((0, 0), (0, padded - T), (0, 0), (0, 0))
+        q_BTNH, k_BTNH, v_BTNH = (jnp.pad(x, pad) for x in (q_BTNH, k_BTNH, v_BTNH))
+        if segment_ids_BT is not None:
+            segment_ids_BT = jnp.pad(segment_ids_BT, ((0, 0), (0, padded - T)), constant_values=-1)
+    blocks = triton_attention.BlockSizes(
+        block_q=fwd, block_k=fwd, block_q_dkv=bwd, block_kv_dkv=bwd, block_q_dq=bwd, block_kv_dq=bwd
+    )
+    out_BTNH = triton_attention.mha(
+        q_BTNH,
+        k_BTNH,
+        v_BTNH,
+        segment_ids_BT,
+        sm_scale=H**-0.5,
+        causal=True,
+        block_sizes=blocks,
+        interpret=jax.default_backend() == "cpu",
+    )
+    return out_BTNH[:, :T]
