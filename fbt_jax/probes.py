@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fbt_jax.attention import MaskSpec
 from fbt_jax.errors import ConfigError
 from fbt_jax.feedback import last_pass_inputs
-from fbt_jax.attention import MaskSpec
 from fbt_jax.layers import default_positions
 
 

@@ -9,6 +9,7 @@ from conftest import small_model_config
 from flax import nnx
 
 from fbt_jax import model as model_lib
+from fbt_jax.attention import MaskSpec
 from fbt_jax.feedback import kpass_forward
 from fbt_jax.model import build_model
 
@@ -45,13 +46,13 @@ def test_residual_stream_stays_order_one_as_depth_grows():
     # depend on how deep the model is.
     tokens = jnp.arange(16)[None]
     positions = jnp.arange(16)[None]
-    mask = model_lib.attention_mask(positions, None)
+    spec = MaskSpec(positions)
     rms = {}
     for layers in (2, 8, 32):
         model = build_model(small_model_config(num_layers=layers), seed=0)
         x = model.embed(tokens)
         for block in model.blocks:
-            x = block(x, positions, mask)
+            x = block(x, spec)
         rms[layers] = float(jnp.sqrt(jnp.mean(x**2)))
     assert all(0.8 < r < 2.0 for r in rms.values()), rms
     assert rms[32] / rms[2] < 1.2, rms

@@ -58,4 +58,3 @@ def cached_attention(
     if impl == "dot_product":
         return dot_product_attention(q_BTNH, k_BSGH, v_BSGH, mask_B1TS)
     return xla_attention(q_BTNH, k_BSGH, v_BSGH, mask_B1TS)
-

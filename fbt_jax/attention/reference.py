@@ -25,9 +25,7 @@ def xla_attention(q_BTNH: jax.Array, k_BSGH: jax.Array, v_BSGH: jax.Array, mask_
     return out_BTGRH.reshape(B, T, N, H)
 
 
-def dot_product_attention(
-    q_BTNH: jax.Array, k_BSGH: jax.Array, v_BSGH: jax.Array, mask_B1TS: jax.Array
-) -> jax.Array:
+def dot_product_attention(q_BTNH: jax.Array, k_BSGH: jax.Array, v_BSGH: jax.Array, mask_B1TS: jax.Array) -> jax.Array:
     """jax.nn.dot_product_attention with the mask: XLA's attention on every backend (a mask keeps
     it off cuDNN's kernel; `cudnn` is the flash path)."""
     return jax.nn.dot_product_attention(q_BTNH, k_BSGH, v_BSGH, mask=mask_B1TS, scale=q_BTNH.shape[-1] ** -0.5)
