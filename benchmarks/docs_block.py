@@ -15,7 +15,7 @@ import argparse
 import collections
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 class DocsBlockError(ValueError):
@@ -48,9 +48,16 @@ def replace_block(text: str, name: str, body: str, folder: str = "benchmarks", v
     return "".join(lines[: first + 1]) + body.rstrip("\n") + "\n" + "".join(lines[last:])
 
 
-def arguments(doc: str, name: str, smoke_help: str, extra: Sequence[tuple[str, dict]] = ()) -> argparse.Namespace:
+def arguments(
+    doc: str,
+    name: str,
+    smoke_help: str,
+    extra: Sequence[tuple[str, dict]] = (),
+    variant: Callable[[argparse.Namespace], str] | None = None,
+) -> argparse.Namespace:
     """The command line every benchmark shares (its own options in `extra`, then --smoke and
-    --write-docs); a --write-docs file without this benchmark's markers fails here, before measuring."""
+    --write-docs); a --write-docs file without this benchmark's markers (those of the `variant`
+    its arguments select, if any) fails here, before measuring."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     for flag, options in extra:
         parser.add_argument(flag, **options)
@@ -58,7 +65,7 @@ def arguments(doc: str, name: str, smoke_help: str, extra: Sequence[tuple[str, d
     parser.add_argument("--write-docs", metavar="PATH", help="rewrite this benchmark's block in the Markdown file PATH")
     args = parser.parse_args()
     if args.write_docs:
-        check_block(args.write_docs, name)
+        check_block(args.write_docs, name, variant=variant(args) if variant else "")
     return args
 
 

@@ -1,27 +1,28 @@
 """GPU check: the accelerator computes what the CPU computes, then its speed and memory per K.
 
-    bash benchmarks/gpu_check.sh             # on a machine with a GPU: about 3 minutes on one H200
-    python benchmarks/gpu_check.py [--smoke] [--rounds 5] [--write-docs PATH]
+    bash benchmarks/gpu_check.sh             # on a machine with a GPU: every check, both shapes (< 10 min on one H200)
+    python benchmarks/gpu_check.py [--smoke] [--shape 344m|1b] [--rows auto:none,xla:block,...]
+                                   [--generation] [--rounds 5] [--write-docs PATH]
 
 1. Equality with the CPU reference. A small model (vocabulary 512, packed rows, prefix mix-in)
-   computes its K-pass loss and gradients for K = 1, 2, 3 on the accelerator, with each attention
-   implementation, and the CPU computes them with einsum attention in the same compute dtype.
-   fp32 runs at the highest matmul precision (no TF32) and must agree to 1e-4 (relative to the
-   largest entry of each result). bf16 (`dot_product` attention) is measured against the CPU's
-   fp32 result and must be within 5e-2 of it or at most twice as far as the CPU's own bf16
-   result (see `equality`). The logits of the three decoding modes (prefill, then teacher-forced
-   cached steps) are compared the same way. A mismatch ends the run with exit status 1.
-2. Speed and memory. The production train step (`fbt_jax.train.step.train_step`, compiled per K
-   by the Trainer) of a ~350M-parameter config (D1024 L24 H16, T2048, vocabulary 32768, bf16
-   compute, `dot_product` attention, scanned layers), timed for K = 1, 2, 3 in interleaved rounds:
-   median step time, tokens/s, MFU against the device's table peak (fbt_jax/hardware.py) and
-   against the rate of a large bf16 matmul on random data measured in the same run (the chip as
-   found: clocks, power), t(K)/(K·t(1)), the compiled per-device memory and the peak memory the
-   device reports.
+   computes its K-pass loss and gradients for K = 1, 2, 3 on the accelerator with every attention
+   implementation the device offers (fbt_jax/attention: the reference, `dot_product`, and on a GPU
+   cuDNN (bf16, rows not packed) and the Pallas-Triton kernel, on a TPU Splash), and the CPU computes
+   them with the reference attention in the same compute dtype. fp32 runs at the highest matmul
+   precision (no TF32) and must agree to 1e-4 (relative to the largest entry of each result). bf16 is
+   measured against the CPU's fp32 result and must be within 5e-2 of it or at most twice as far as
+   the CPU's own bf16 result (see `equality`). The logits of the three decoding modes (prefill, then
+   teacher-forced cached steps) are compared the same way. A mismatch ends the run with exit status 1.
+2. Speed and memory (benchmarks/gpu_speed.py): each `--rows` entry `impl:remat[:unpacked]` trains
+   the shape's config (`344m`: D1024 L24 H16, T2048, batch 8, vocabulary 32768, bf16 compute,
+   scanned layers; `1b`: configs/fbt_1b.py's model at the largest batch that fits, `--batch 0`) on
+   packed rows for K = 1, 2, 3: median step time, tokens/s, MFU by two counts against the table peak
+   and a bf16 matmul measured in the same run, t(K)/(K·t(1)), memory. `--generation`: generated
+   tokens/s per decoding mode at batch 1 and 64, and each mode's time per token against standard.
 
-`--smoke` runs both parts on whatever device there is (on a CPU-only machine: CPU against CPU,
-bf16 `dot_product` attention against einsum at K = 2 and fused decoding, then the tiny config's
-steps), to check the script itself; it is what the tests run. Last line: one JSON object.
+`--smoke` runs every part on whatever device there is (on a CPU-only machine: CPU against CPU, one
+variant at K = 2 and fused decoding, the tiny config's rows and generation), to check the script
+itself; it is what the tests run. Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -43,38 +44,60 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import docs_block  # noqa: E402
-from bench_configs import every_k_trainer, sized_config, tiny_config  # noqa: E402
+import gpu_speed  # noqa: E402
 
-from fbt_jax import decode  # noqa: E402
+from fbt_jax import attention, decode  # noqa: E402
+from fbt_jax.attention.spec import Call, unsupported  # noqa: E402
 from fbt_jax.feedback import kpass_loss  # noqa: E402
-from fbt_jax.flops import train_step_flops  # noqa: E402
 from fbt_jax.hardware import peak_flops_per_device  # noqa: E402
 from fbt_jax.model import ModelConfig, build_model  # noqa: E402
 
 PASS_COUNTS = (1, 2, 3)
-# (attention_impl, compute_dtype, tolerance relative to the reference's largest entry)
-VARIANTS = (("einsum", "float32", 1e-4), ("dot_product", "float32", 1e-4), ("dot_product", "bfloat16", 5e-2))
+TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}  # relative to the reference's largest entry
+# The speed rows gpu_check.sh measures per shape (the attention `auto` picks, each remat policy,
+# the reference for comparison, cuDNN on rows that are not packed as the flash bound).
+DEFAULT_ROWS = {
+    "344m": "auto:none,auto:save_matmuls,auto:block,cudnn:none:unpacked",
+    "1b": "auto:block,auto:save_matmuls",
+}
+
+
+def variants(platform: str, smoke: bool) -> list[tuple[str, str, bool]]:
+    """(attention_impl, compute dtype, packed rows) for every implementation the device offers:
+    on packed rows where it can, else on rows that are not packed (cuDNN)."""
+    if smoke:
+        return [("dot_product", "bfloat16", True)]
+    offered = []
+    for impl in ("xla", "dot_product", *attention.spec.KERNELS):
+        for dtype in TOLERANCE:
+            for packed in (True, False):
+                if unsupported(impl, Call(platform, dtype, packed, 0, check_config().head_size)) is None:
+                    offered.append((impl, dtype, packed))
+                    break
+    return offered
 
 
 def check_config() -> ModelConfig:
     return ModelConfig(vocab_size=512, embed_dim=128, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=384)
 
 
-def check_batch(cfg: ModelConfig, batch_size: int = 4, seq_len: int = 64) -> dict[str, jax.Array]:
-    """Two packed documents per row, a few masked targets, and every row's own fuse-from index."""
+def check_batch(cfg: ModelConfig, batch_size: int = 4, seq_len: int = 64, packed: bool = True) -> dict:
+    """Two packed documents per row (unless not `packed`: one document), a few masked targets, and
+    every row its own fuse-from index."""
     tokens = jax.random.randint(jax.random.PRNGKey(1), (batch_size, seq_len), 0, cfg.vocab_size)
     half = seq_len // 2
     positions = jnp.tile(jnp.concatenate([jnp.arange(half), jnp.arange(seq_len - half)]), (batch_size, 1))
     segment_ids = jnp.tile(jnp.repeat(jnp.array([1, 2]), jnp.array([half, seq_len - half])), (batch_size, 1))
     weights = (jax.random.uniform(jax.random.PRNGKey(2), (batch_size, seq_len)) > 0.1).astype(jnp.float32)
-    return {
+    batch = {
         "inputs": tokens,
         "targets": jnp.where(weights > 0, jnp.roll(tokens, -1, 1), -100),
         "weights": weights,
-        "positions": positions.astype(jnp.int32),
-        "segment_ids": segment_ids.astype(jnp.int32),
         "fuse_from": jnp.array([1, 3, 7, 12], jnp.int32)[:batch_size],
     }
+    if not packed:
+        return batch
+    return batch | {"positions": positions.astype(jnp.int32), "segment_ids": segment_ids.astype(jnp.int32)}
 
 
 def loss_and_grads(cfg: ModelConfig, params: nnx.State, batch: dict, num_passes: int) -> tuple:
@@ -120,27 +143,32 @@ def max_error(result, reference) -> float:
 
 def equality(device: jax.Device, smoke: bool) -> dict:
     """Accelerator against CPU: loss and gradients per K and variant, then decoding logits. The
-    reference runs on the CPU with einsum attention in the variant's compute dtype. In bf16 two
-    correct implementations round differently, and the feedback recurrence (soft and fused decoding
-    feed each step's state to the next) grows that difference step by step; so there both are
-    measured against the CPU's fp32 result, and the accelerator passes where it is within the
+    reference runs on the CPU with the reference attention in the variant's compute dtype. In bf16
+    two correct implementations round differently, and the feedback recurrence (soft and fused
+    decoding feed each step's state to the next) grows that difference step by step; so there both
+    are measured against the CPU's fp32 result, and the accelerator passes where it is within the
     tolerance of it or at most twice as far from it as the CPU's own bf16 result is."""
     cpu = jax.devices("cpu")[0]
-    base = check_config()
+    base = dataclasses.replace(check_config(), attention_impl="xla")
     params = nnx.state(build_model(base, 0), nnx.Param)
-    on = {d: jax.device_put((params, check_batch(base)), d) for d in {cpu, device}}
-    prompts, forced = on[cpu][1]["inputs"][:, :24], on[cpu][1]["inputs"][:, 24:32]
+    on = {
+        (d, packed): jax.device_put((params, check_batch(base, packed=packed)), d)
+        for d in {cpu, device}
+        for packed in (True, False)
+    }
+    prompts, forced = on[cpu, True][1]["inputs"][:, :24], on[cpu, True][1]["inputs"][:, 24:32]
     # The smoke run checks the script, not a device: one variant, one K, one decoding mode.
-    variants, pass_counts, modes = (VARIANTS[2:], (2,), ("fused",)) if smoke else (VARIANTS, PASS_COUNTS, decode.MODES)
+    pass_counts, modes = ((2,), ("fused",)) if smoke else (PASS_COUNTS, decode.MODES)
 
-    references: dict[tuple[str, str], Any] = {}  # (what, dtype): the CPU's einsum result, computed once
+    references: dict[tuple, Any] = {}  # (what, dtype): the CPU's reference result, computed once
 
     def on_cpu(what: str, run: Callable, dtype: str) -> Any:
         if (what, dtype) not in references:
             references[what, dtype] = run(dataclasses.replace(base, compute_dtype=dtype), cpu)
         return references[what, dtype]
 
-    def compare(what: str, run: Callable, cfg: ModelConfig, tol: float) -> tuple[float, float]:
+    def compare(what: str, run: Callable, cfg: ModelConfig) -> tuple[float, float]:
+        tol = TOLERANCE[cfg.compute_dtype]
         reference, result = on_cpu(what, run, cfg.compute_dtype), run(cfg, device)
         if cfg.compute_dtype == "float32":
             return max_error(result, reference), tol
@@ -149,38 +177,16 @@ def equality(device: jax.Device, smoke: bool) -> dict:
 
     results = {}
     with jax.default_matmul_precision("highest"):
-        for impl, dtype, tol in variants:
+        for impl, dtype, packed in variants(device.platform, smoke):
             cfg = dataclasses.replace(base, attention_impl=impl, compute_dtype=dtype)
+            rows = "" if packed else "_unpacked"
             for k in pass_counts:
-                train = lambda c, d, k=k: loss_and_grads(c, *on[d], k)
-                results[f"train_{impl}_{dtype}_K{k}"] = compare(f"train_K{k}", train, cfg, tol)
+                train = lambda c, d, k=k, p=packed: loss_and_grads(c, *on[d, p], k)
+                results[f"train{rows}_{impl}_{dtype}_K{k}"] = compare(f"train{rows}_K{k}", train, cfg)
             for mode in modes:
-                logits = lambda c, d, mode=mode: decode_logits(c, on[d][0], *jax.device_put((prompts, forced), d), mode)
-                results[f"decode_{mode}_{impl}_{dtype}"] = compare(f"decode_{mode}", logits, cfg, tol)
+                logits = lambda c, d, m=mode: decode_logits(c, on[d, True][0], *jax.device_put((prompts, forced), d), m)
+                results[f"decode_{mode}_{impl}_{dtype}"] = compare(f"decode_{mode}", logits, cfg)
     return results
-
-
-def speed_config(smoke: bool):
-    if smoke:
-        return tiny_config()
-    config = sized_config(
-        seq_len=2048,
-        batch_size=8,
-        vocab_size=32768,
-        embed_dim=1024,
-        num_layers=24,
-        num_heads=16,
-        num_kv_heads=16,
-        mlp_dim=2816,
-        compute_dtype="bfloat16",
-        attention_impl="dot_product",
-        scan_layers=True,
-        loss_chunk_size=512,
-        # jax.nn.dot_product_attention falls back to XLA's T×T attention for packed rows' masks
-        # (first H200 run: 106 GiB at K=1 without remat): keep only block inputs for the backward.
-        remat="block",
-    )
-    return config
 
 
 def measured_peak(device: jax.Device, smoke: bool, repeats: int = 10) -> float:
@@ -199,96 +205,87 @@ def measured_peak(device: jax.Device, smoke: bool, repeats: int = 10) -> float:
     return 2.0 * n**3 / statistics.median(samples)
 
 
-def speed(device: jax.Device, smoke: bool, rounds: int) -> dict:
-    config = speed_config(smoke)
-    trainer = every_k_trainer(config, [device])
-    compiled = trainer.compile(PASS_COUNTS)
-    trainer.init_state()
-    batch = trainer.batch("train", 0, config.train.batch_size)
-    state = trainer.state
-    peak_in_use = {}
-    for k in PASS_COUNTS:  # warm up each program; the device's running peak after each K
-        for _ in range(2):
-            state, metrics = trainer.programs.train[k](state, batch)
-        jax.block_until_ready(metrics)
-        stats = device.memory_stats() or {}  # None on a CPU
-        peak_in_use[k] = stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
-    samples = {k: [] for k in PASS_COUNTS}
-    for _ in range(rounds):
-        for k in PASS_COUNTS:
-            start = time.perf_counter()
-            state, metrics = trainer.programs.train[k](state, batch)
-            jax.block_until_ready((state, metrics))
-            samples[k].append(time.perf_counter() - start)
-    peak, peak_source = peak_flops_per_device(device)
-    matmul_peak = measured_peak(device, smoke)
-    cfg = ModelConfig.from_config(config.model)
-    tokens = config.train.batch_size * config.data.seq_len
-    rows = {}
-    for k in PASS_COUNTS:
-        t = statistics.median(samples[k])
-        flops = train_step_flops(cfg, config.train.batch_size, config.data.seq_len, k)
-        rows[k] = {
-            "median_step_seconds": t,
-            "tokens_per_second": tokens / t,
-            "mfu": flops / t / peak,
-            "mfu_measured_peak": flops / t / matmul_peak,
-            "ratio_to_k_times_one_pass": t / (k * statistics.median(samples[1])),
-            "compiled_device_gib": compiled[f"train_K{k}"].get("device_bytes", 0.0) / 2**30,
-            "peak_in_use_gib": peak_in_use[k],
-        }
-    params = sum(x.size for x in jax.tree.leaves(state.params))
-    return {"params": params, "tokens_per_step": tokens, "peak_flops": peak, "peak_source": peak_source,
-            "measured_peak_flops": matmul_peak, "by_k": rows}  # fmt: skip
-
-
 def main() -> None:
-    args = docs_block.timing_arguments(__doc__, "gpu_check", rounds=5, steps_per_round=1)
+    args = docs_block.arguments(
+        __doc__,
+        "gpu_check",
+        "tiny sizes and one round: checks that it runs",
+        extra=[
+            ("--rounds", dict(type=int, default=5)),
+            ("--shape", dict(choices=tuple(DEFAULT_ROWS), default="344m")),
+            ("--rows", dict(default="", help="impl:remat[:unpacked],... (default: the shape's DEFAULT_ROWS)")),
+            ("--batch", dict(type=int, default=-1, help="per-device batch; 0: the largest that fits (1b's default)")),
+            ("--generation", dict(action="store_true", help="also generated tokens/s per decoding mode")),
+            ("--skip-equality", dict(action="store_true", help="only the speed part (a second shape's run)")),
+        ],
+        variant=lambda a: "" if a.shape == "344m" else f"--shape={a.shape}",
+    )
     device = jax.devices()[0]
     if device.platform == "cpu" and not args.smoke:
         sys.exit("gpu_check.py: no accelerator here (jax.devices() lists only CPUs); run it where a GPU is, or --smoke")
+    rows = [
+        gpu_speed.Row.parse(r)
+        for r in (args.rows or ("auto:none" if args.smoke else DEFAULT_ROWS[args.shape])).split(",")
+    ]
     print(f"device: {device.device_kind} ({device.platform}); reference: {jax.devices('cpu')[0].device_kind}")
-    checks = equality(device, args.smoke)
+    checks = {} if args.skip_equality else equality(device, args.smoke)
     failed = [name for name, (error, tol) in checks.items() if error > tol]
     check_rows = [[name, f"{error:.2e}", f"{tol:.3g}", "FAIL" if name in failed else "ok"]
                   for name, (error, tol) in checks.items()]  # fmt: skip
-    check_table = docs_block.table(["check (accelerator against CPU)", "max error", "tolerance", ""], check_rows)
-    print(check_table)
-    perf = speed(device, args.smoke, args.rounds)
-    peaks = f"{perf['peak_source']}; bf16 matmul measured: {perf['measured_peak_flops'] / 1e12:.3g} TFLOP/s"
-    print(f"{perf['params'] / 1e6:.1f}M parameters, {perf['tokens_per_step']} tokens per step; peak {peaks}")
-    header = ["K", "median step", "tokens/s", "MFU (table)", "MFU (measured)", "t(K)/(K·t(1))", "GiB compiled",
-              "GiB peak in use"]  # fmt: skip
-    rows = [
-        [
-            k,
-            docs_block.ms(r["median_step_seconds"]),
-            f"{r['tokens_per_second']:,.0f}",
-            f"{r['mfu']:.1%}",
-            f"{r['mfu_measured_peak']:.1%}",
-            f"{r['ratio_to_k_times_one_pass']:.3f}",
-            f"{r['compiled_device_gib']:.1f}",
-            "n/a" if r["peak_in_use_gib"] is None else f"{r['peak_in_use_gib']:.1f}",
-        ]
-        for k, r in perf["by_k"].items()
-    ]
-    table = docs_block.table(header, rows)
-    print(table)
-    if args.write_docs:
-        machine = docs_block.machine_line([device], peaks, args.smoke)
-        docs_block.write_block(
-            args.write_docs,
-            "gpu_check",
-            docs_block.block("gpu_check", docs_block.run_arguments(sys.argv[1:]), machine, [check_table, table]),
-        )
-    figures = {
-        "checks": len(checks),
-        "max_errors": {name: f"{error:.3e}" for name, (error, _) in checks.items()},  # 0 on CPU against CPU
-        "speed": {k: v for k, v in perf.items() if k != "peak_source"},
+    tables = (
+        [docs_block.table(["check (accelerator against CPU)", "max error", "tolerance", ""], check_rows)]
+        if checks
+        else []
+    )
+    peak, peak_source = peak_flops_per_device(device)
+    peaks = {"table": peak, "measured": measured_peak(device, args.smoke)}
+    batch = args.batch if args.batch >= 0 else (0 if args.shape == "1b" or args.smoke else 8)
+    if batch == 0:  # the smoke run checks the search too
+        batch = gpu_speed.largest_batch(args.shape, rows[0], device, args.smoke)
+    results = {
+        str(row): gpu_speed.train_row(row, args.shape, device, args.smoke, args.rounds, peaks, batch) for row in rows
     }
-    print(json.dumps(figures))
+    peak_line = f"{peak_source}; bf16 matmul measured: {peaks['measured'] / 1e12:.3g} TFLOP/s"
+    print(f"shape {'tiny (smoke)' if args.smoke else args.shape}, batch {batch} per device; peak {peak_line}")
+    tables.append(speed_table(results))
+    figures = {"checks": len(checks), "max_errors": {n: f"{e:.3e}" for n, (e, _) in checks.items()},
+               "peaks": peaks, "batch_size": batch, "rows": results}  # fmt: skip
+    if args.generation or args.smoke:
+        figures["generation"] = gpu_speed.generation(args.shape, device, args.smoke)
+        tables.append(docs_block.table(
+            ["batch", "mode", "generated tokens/s", "time per token / standard's"],
+            [[g["batch"], g["mode"], f"{g['tokens_per_second']:,.0f}", f"{g['time_vs_standard']:.3f}"]
+             for g in figures["generation"]],
+        ))  # fmt: skip
+    for table in tables:
+        print(table)
+    if args.write_docs:
+        machine = docs_block.machine_line([device], peak_line, args.smoke)
+        variant = "" if args.shape == "344m" else f"--shape={args.shape}"
+        body = docs_block.block("gpu_check", docs_block.run_arguments(sys.argv[1:]), machine, tables)
+        docs_block.write_block(args.write_docs, "gpu_check", body, variant=variant)
+    print(json.dumps(figures, default=float))
     if failed:
         sys.exit(f"gpu_check.py: {len(failed)} result(s) differ from the CPU reference: {', '.join(failed)}")
+
+
+def speed_table(results: dict) -> str:
+    header = ["row (attention:remat)", "attention run", "K", "median step", "tokens/s", "MFU (table)",
+              "MFU (measured)", "MFU causal ½ (measured)", "t(K)/(K·t(1))", "GiB compiled", "GiB peak"]  # fmt: skip
+    lines = []
+    for name, result in results.items():
+        if "error" in result:
+            lines.append([name, "did not run: " + result["error"].replace("|", "/"), *[""] * 9])
+            continue
+        for k, r in result["by_k"].items():
+            peak_gib = "n/a" if r["peak_in_use_gib"] is None else f"{r['peak_in_use_gib']:.1f}"
+            lines.append([
+                name, result["attention"].removeprefix("attention: "), k, docs_block.ms(r["median_step_seconds"]),
+                f"{r['tokens_per_second']:,.0f}", f"{r['mfu']:.1%}", f"{r['mfu_measured_peak']:.1%}",
+                f"{r['mfu_causal_half_measured_peak']:.1%}", f"{r['ratio_to_k_times_one_pass']:.3f}",
+                f"{r['compiled_device_gib']:.1f}", peak_gib,
+            ])  # fmt: skip
+    return docs_block.table(header, lines)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ run's files: nothing here moves, renames or writes a checkpoint, whatever fails 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import warnings
@@ -21,6 +22,7 @@ from etils import epath
 from flax import nnx
 
 from fbt_jax import workdir
+from fbt_jax.attention.spec import here as attention_here
 from fbt_jax.checkpoint import check_compatible, state_layout
 from fbt_jax.config import config_from_dict
 from fbt_jax.errors import CheckpointError, ConfigError, describe
@@ -43,7 +45,9 @@ def load_model_at(
     def restore(manager: ocp.CheckpointManager, step: int) -> tuple[Any, ml_collections.ConfigDict]:
         meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         config = config_from_dict(meta["config"])
-        model = abstract_model(ModelConfig.from_config(config.model))
+        cfg = ModelConfig.from_config(config.model)
+        impl = attention_here(cfg.attention_impl, cfg.compute_dtype, cfg.sliding_window, cfg.head_size)
+        model = abstract_model(dataclasses.replace(cfg, attention_impl=impl))
         graphdef, abstract = nnx.split(model, nnx.Param)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device), abstract)
         params = _restore_params(manager, step, abstract)

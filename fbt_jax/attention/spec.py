@@ -120,6 +120,13 @@ def resolve(impl: str, call: Call) -> str:
     return "xla" if impl == "einsum" else impl
 
 
+def here(impl: str, dtype: str, window: int, head_dim: int) -> str:
+    """`impl` when it can decode on this process's backend, else `auto`: a trained run's choice was
+    made for where it trained (cuDNN on a GPU), and loading it elsewhere must not fail on that."""
+    call = Call(jax.default_backend(), dtype, False, window, head_dim)
+    return impl if impl == "auto" or unsupported(impl, call) is None else "auto"
+
+
 def call_of(q_BTNH: Any, spec: MaskSpec, platform: str | None = None) -> Call:
     """The `Call` of attention over `q_BTNH` under `spec` on this process's default backend."""
     return Call(

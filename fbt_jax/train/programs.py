@@ -19,7 +19,7 @@ import ml_collections
 import optax
 from flax import nnx
 
-from fbt_jax import contraction, sharding
+from fbt_jax import attention, contraction, sharding
 from fbt_jax.model import ModelConfig, abstract_model, build_model
 from fbt_jax.schedule import PassSchedule
 from fbt_jax.train.services import CACHE_HITS
@@ -44,6 +44,11 @@ class TrainPrograms:
         self.model_cfg = ModelConfig.from_config(config.model)
         self.tx, self.lr_schedule = make_optimizer(config)
         self.layout = sharding.activation_layout(self.mesh, self.rules)
+        cfg = self.model_cfg  # which attention runs (a ConfigError naming one that can, if it cannot)
+        platform, head_dim = self.mesh.devices.flat[0].platform, cfg.head_size
+        self.log(
+            attention.describe(cfg.attention_impl, platform, cfg.compute_dtype, packed, cfg.sliding_window, head_dim)
+        )
         self.graphdef = nnx.split(abstract_model(self.model_cfg, self.layout), nnx.Param)[0]
         self.abstract_state = jax.eval_shape(self._initial_state)
         self.state_shardings = self._state_shardings()
