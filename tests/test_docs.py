@@ -123,6 +123,12 @@ RUNS = [
     ),
     ("docs/launch.md", "fbt-train --config=configs/fbt_1b.py --config.dry_run=True", "", "dry run complete"),
     (
+        "docs/performance.md",
+        "fbt-train --config=configs/fbt_1b.py --config.dry_run=True --config.model.attention_impl=splash",
+        "",
+        "attention: splash",
+    ),
+    (
         "docs/sweeps.md",
         "fbt-sweep run configs/sweeps/tiny_mixtures.py",
         "--override=train.steps=60 --override=optimizer.warmup_steps=5 --override=checkpoint.every_steps=20 "
