@@ -21,7 +21,7 @@ from flax import nnx
 from fbt_jax import decode, sharding
 from fbt_jax.attention import MaskSpec, attend, describe, reference_mask, resolve
 from fbt_jax.attention.cudnn import cudnn_attention
-from fbt_jax.attention.spec import Call
+from fbt_jax.attention.spec import Call, here
 from fbt_jax.errors import ConfigError
 from fbt_jax.feedback import kpass_loss
 from fbt_jax.model import ModelConfig, build_model
@@ -176,3 +176,13 @@ def test_an_implementation_that_cannot_serve_a_call_is_one_line_naming_one_that_
 def test_an_unknown_implementation_is_a_config_error():
     with pytest.raises(ConfigError, match=r"model.attention_impl='flash' is unknown; use one of \('auto', 'xla'"):
         ModelConfig(attention_impl="flash").check()
+
+
+@pytest.mark.parametrize(
+    "impl, expected", [("cudnn", "auto"), ("pallas_gpu", "auto"), ("splash", "auto"), ("dot_product", "dot_product"),
+                       ("einsum", "einsum"), ("auto", "auto")],
+)  # fmt: skip
+def test_a_trained_run_decodes_here_with_its_implementation_only_where_this_backend_runs_it(impl, expected):
+    """A run trained with a GPU/TPU kernel is loaded on this CPU with `auto` (never cuDNN's error,
+    never a kernel in interpret mode); the reference paths stay as the run asked."""
+    assert here(impl, "bfloat16", 0, 64) == expected

@@ -121,10 +121,13 @@ def resolve(impl: str, call: Call) -> str:
 
 
 def here(impl: str, dtype: str, window: int, head_dim: int) -> str:
-    """`impl` when it can decode on this process's backend, else `auto`: a trained run's choice was
-    made for where it trained (cuDNN on a GPU), and loading it elsewhere must not fail on that."""
-    call = Call(jax.default_backend(), dtype, False, window, head_dim)
-    return impl if impl == "auto" or unsupported(impl, call) is None else "auto"
+    """`impl` where this process's backend runs it natively, else `auto`: a trained run's choice was
+    made for where it trained (cuDNN or Pallas-Triton on a GPU), and decoding it elsewhere must
+    neither fail on that nor run a kernel in interpret mode."""
+    backend = jax.default_backend()
+    if impl == "auto" or {"cudnn": "gpu", "pallas_gpu": "gpu", "splash": "tpu"}.get(impl, backend) != backend:
+        return "auto"
+    return impl if unsupported(impl, Call(backend, dtype, False, window, head_dim)) is None else "auto"
 
 
 def call_of(q_BTNH: Any, spec: MaskSpec, platform: str | None = None) -> Call:
