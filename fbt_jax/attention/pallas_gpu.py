@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import attention as triton_attention
 
-from fbt_jax.attention.spec import MaskSpec
+from fbt_jax.attention.spec import MaskSpec, pad_rows
 
 # The kernel's own defaults (forward 128×128, backward 32-blocks). A sequence shorter than a block
 # uses one block of its (power-of-two padded) length. Chosen by measurement: see
@@ -42,12 +42,7 @@ def pallas_gpu_attention(
     R = N // k_BTGH.shape[2]
     k_BTNH, v_BTNH = (jnp.repeat(x, R, axis=2) if R > 1 else x for x in (k_BTGH, v_BTGH))
     padded, fwd, bwd = block_sizes(T, forward_block, backward_block)
-    segment_ids_BT = spec.segment_ids_BT
-    if padded != T:
-        pad = ((0, 0), (0, padded - T), (0, 0), (0, 0))
-        q_BTNH, k_BTNH, v_BTNH = (jnp.pad(x, pad) for x in (q_BTNH, k_BTNH, v_BTNH))
-        if segment_ids_BT is not None:
-            segment_ids_BT = jnp.pad(segment_ids_BT, ((0, 0), (0, padded - T)), constant_values=-1)
+    q_BTNH, k_BTNH, v_BTNH, segment_ids_BT = pad_rows(padded, q_BTNH, k_BTNH, v_BTNH, spec.segment_ids_BT)
     blocks = triton_attention.BlockSizes(
         block_q=fwd, block_k=fwd, block_q_dkv=bwd, block_kv_dkv=bwd, block_q_dq=bwd, block_kv_dq=bwd
     )

@@ -58,6 +58,20 @@ def reference_mask(spec: MaskSpec) -> jax.Array:
     return mask_BTT[:, None]
 
 
+def pad_rows(
+    length: int, q_BTNH: jax.Array, k_BTGH: jax.Array, v_BTGH: jax.Array, segment_ids_BT: jax.Array | None
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """q, k, v and segment ids padded at the end of each row to `length` (a kernel's block
+    multiple): causality keeps every real query from seeing the padding, which is its own segment."""
+    extra = length - q_BTNH.shape[1]
+    if not extra:
+        return q_BTNH, k_BTGH, v_BTGH, segment_ids_BT
+    q_BTNH, k_BTGH, v_BTGH = (jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0))) for x in (q_BTNH, k_BTGH, v_BTGH))
+    if segment_ids_BT is not None:
+        segment_ids_BT = jnp.pad(segment_ids_BT, ((0, 0), (0, extra)), constant_values=-1)
+    return q_BTNH, k_BTGH, v_BTGH, segment_ids_BT
+
+
 @dataclasses.dataclass(frozen=True)
 class Call:
     """The static facts of one attention call that decide which implementations can serve it."""

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-from fbt_jax.attention.spec import MaskSpec
+from fbt_jax.attention.spec import MaskSpec, pad_rows
 
 BLOCK = 512  # MaxText's default Splash block on TPU v5e/v5p
 QUANTUM = 128  # a block is a multiple of the TPU's 128-lane vector width (checked in interpret mode too)
@@ -53,12 +53,7 @@ def splash_attention(q_BTNH: jax.Array, k_BTGH: jax.Array, v_BTGH: jax.Array, sp
     G = k_BTGH.shape[2]
     interpret = jax.default_backend() != "tpu"
     padded, block = padded_length(T)
-    segment_ids_BT = spec.segment_ids_BT
-    if padded != T:
-        pad = ((0, 0), (0, padded - T), (0, 0), (0, 0))
-        q_BTNH, k_BTGH, v_BTGH = (jnp.pad(x, pad) for x in (q_BTNH, k_BTGH, v_BTGH))
-        if segment_ids_BT is not None:
-            segment_ids_BT = jnp.pad(segment_ids_BT, ((0, 0), (0, padded - T)), constant_values=-1)
+    q_BTNH, k_BTGH, v_BTGH, segment_ids_BT = pad_rows(padded, q_BTNH, k_BTGH, v_BTGH, spec.segment_ids_BT)
     kernel = _kernel(padded, N // G, spec.window, block, interpret)
     q_BGRTH = (q_BTNH * jnp.asarray(H**-0.5, q_BTNH.dtype)).reshape(B, padded, G, N // G, H).transpose(0, 2, 3, 1, 4)
     k_BGTH, v_BGTH = (x.transpose(0, 2, 1, 3) for x in (k_BTGH, v_BTGH))
