@@ -13,7 +13,7 @@
    measured against the CPU's fp32 result and must be within 5e-2 of it or at most twice as far as
    the CPU's own bf16 result (see `equality`). The logits of the three decoding modes (prefill, then
    teacher-forced cached steps) are compared the same way. A mismatch ends the run with exit status 1.
-2. Speed and memory (benchmarks/gpu_speed.py): each `--rows` entry `impl:remat[:unpacked]` trains
+2. Speed and memory (benchmarks/gpu_speed.py): each `--rows` entry `impl:remat[:unpacked][@FWD/BWD]` trains
    the shape's config (`344m`: D1024 L24 H16, T2048, batch 8, vocabulary 32768, bf16 compute,
    scanned layers; `1b`: configs/fbt_1b.py's model at the largest batch that fits, `--batch 0`) on
    packed rows for K = 1, 2, 3: median step time, tokens/s, MFU by two counts against the table peak
@@ -54,11 +54,12 @@ from fbt_jax.model import ModelConfig, build_model  # noqa: E402
 
 PASS_COUNTS = (1, 2, 3)
 TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}  # relative to the reference's largest entry
-# The speed rows gpu_check.sh measures per shape (the attention `auto` picks, each remat policy,
-# the reference for comparison, cuDNN on rows that are not packed as the flash bound).
+# The speed rows gpu_check.sh measures per shape, most wanted first (a run stopped by its time limit
+# keeps the rows it finished): the attention `auto` picks without remat, cuDNN on rows that are not
+# packed (the flash bound), the other remat policies, other Pallas-Triton blocks.
 DEFAULT_ROWS = {
-    "344m": "auto:none,auto:save_matmuls,auto:block,cudnn:none:unpacked",
-    "1b": "auto:block,auto:save_matmuls",
+    "344m": "auto:none,cudnn:none:unpacked,auto:block,auto:save_matmuls,auto:none@128/64",
+    "1b": "auto:block",
 }
 
 
@@ -213,12 +214,12 @@ def main() -> None:
         extra=[
             ("--rounds", dict(type=int, default=5)),
             ("--shape", dict(choices=tuple(DEFAULT_ROWS), default="344m")),
-            ("--rows", dict(default="", help="impl:remat[:unpacked],... (default: the shape's DEFAULT_ROWS)")),
+            ("--rows", dict(default="", help="impl:remat[:unpacked][@FWD/BWD],... (default: DEFAULT_ROWS)")),
             ("--batch", dict(type=int, default=-1, help="per-device batch; 0: the largest that fits (1b's default)")),
             ("--generation", dict(action="store_true", help="also generated tokens/s per decoding mode")),
             ("--skip-equality", dict(action="store_true", help="only the speed part (a second shape's run)")),
         ],
-        variant=lambda a: "" if a.shape == "344m" else f"--shape={a.shape}",
+        variant=variant,
     )
     device = jax.devices()[0]
     if device.platform == "cpu" and not args.smoke:
@@ -228,45 +229,62 @@ def main() -> None:
         for r in (args.rows or ("auto:none" if args.smoke else DEFAULT_ROWS[args.shape])).split(",")
     ]
     print(f"device: {device.device_kind} ({device.platform}); reference: {jax.devices('cpu')[0].device_kind}")
-    checks = {} if args.skip_equality else equality(device, args.smoke)
-    failed = [name for name, (error, tol) in checks.items() if error > tol]
-    check_rows = [[name, f"{error:.2e}", f"{tol:.3g}", "FAIL" if name in failed else "ok"]
-                  for name, (error, tol) in checks.items()]  # fmt: skip
-    tables = (
-        [docs_block.table(["check (accelerator against CPU)", "max error", "tolerance", ""], check_rows)]
-        if checks
-        else []
-    )
     peak, peak_source = peak_flops_per_device(device)
     peaks = {"table": peak, "measured": measured_peak(device, args.smoke)}
+    peak_line = f"{peak_source}; bf16 matmul measured: {peaks['measured'] / 1e12:.3g} TFLOP/s"
+    checks = {} if args.skip_equality else equality(device, args.smoke)
+    failed = [name for name, (error, tol) in checks.items() if error > tol]
+    figures = {"checks": len(checks), "max_errors": {n: f"{e:.3e}" for n, (e, _) in checks.items()},
+               "peaks": peaks, "rows": {}}  # fmt: skip
+
+    def write(final: bool = False) -> None:
+        """The block as measured so far: rewritten after every part, so that a run stopped by its
+        time limit (gpu_check.sh) still leaves what it measured."""
+        tables = [check_table(checks, failed)] if checks else []
+        if figures["rows"]:
+            tables.append(speed_table(figures["rows"]))
+        if "generation" in figures:
+            tables.append(generation_table(figures["generation"]))
+        if final:
+            print("\n\n".join(tables))
+        if args.write_docs:
+            machine = docs_block.machine_line([device], peak_line, args.smoke)
+            notes = [] if final else ["Partial: the run stopped before its remaining rows."]
+            body = docs_block.block("gpu_check", docs_block.run_arguments(sys.argv[1:]), machine, tables, notes)
+            docs_block.write_block(args.write_docs, "gpu_check", body, variant=variant(args))
+
+    write()
     batch = args.batch if args.batch >= 0 else (0 if args.shape == "1b" or args.smoke else 8)
     if batch == 0:  # the smoke run checks the search too
         batch = gpu_speed.largest_batch(args.shape, rows[0], device, args.smoke)
-    results = {
-        str(row): gpu_speed.train_row(row, args.shape, device, args.smoke, args.rounds, peaks, batch) for row in rows
-    }
-    peak_line = f"{peak_source}; bf16 matmul measured: {peaks['measured'] / 1e12:.3g} TFLOP/s"
+    figures["batch_size"] = batch
     print(f"shape {'tiny (smoke)' if args.smoke else args.shape}, batch {batch} per device; peak {peak_line}")
-    tables.append(speed_table(results))
-    figures = {"checks": len(checks), "max_errors": {n: f"{e:.3e}" for n, (e, _) in checks.items()},
-               "peaks": peaks, "batch_size": batch, "rows": results}  # fmt: skip
+    for row in rows:
+        figures["rows"][str(row)] = gpu_speed.train_row(row, args.shape, device, args.smoke, args.rounds, peaks, batch)
+        write()
     if args.generation or args.smoke:
         figures["generation"] = gpu_speed.generation(args.shape, device, args.smoke)
-        tables.append(docs_block.table(
-            ["batch", "mode", "generated tokens/s", "time per token / standard's"],
-            [[g["batch"], g["mode"], f"{g['tokens_per_second']:,.0f}", f"{g['time_vs_standard']:.3f}"]
-             for g in figures["generation"]],
-        ))  # fmt: skip
-    for table in tables:
-        print(table)
-    if args.write_docs:
-        machine = docs_block.machine_line([device], peak_line, args.smoke)
-        variant = "" if args.shape == "344m" else f"--shape={args.shape}"
-        body = docs_block.block("gpu_check", docs_block.run_arguments(sys.argv[1:]), machine, tables)
-        docs_block.write_block(args.write_docs, "gpu_check", body, variant=variant)
+    write(final=True)
     print(json.dumps(figures, default=float))
     if failed:
         sys.exit(f"gpu_check.py: {len(failed)} result(s) differ from the CPU reference: {', '.join(failed)}")
+
+
+def variant(args) -> str:
+    """The docs block a run writes: the 344m shape's, or the 1b shape's own."""
+    return "" if args.shape == "344m" else f"--shape={args.shape}"
+
+
+def check_table(checks: dict, failed: list) -> str:
+    rows = [[name, f"{error:.2e}", f"{tol:.3g}", "FAIL" if name in failed else "ok"]
+            for name, (error, tol) in checks.items()]  # fmt: skip
+    return docs_block.table(["check (accelerator against CPU)", "max error", "tolerance", ""], rows)
+
+
+def generation_table(generation: list) -> str:
+    rows = [[g["batch"], g["mode"], f"{g['tokens_per_second']:,.0f}", f"{g['time_vs_standard']:.3f}"]
+            for g in generation]  # fmt: skip
+    return docs_block.table(["batch", "mode", "generated tokens/s", "time per token / standard's"], rows)
 
 
 def speed_table(results: dict) -> str:

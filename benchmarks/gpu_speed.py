@@ -1,6 +1,7 @@
 """gpu_check's speed part: train-step rows (attention × remat × packing) and generation per mode.
 
-A row is `impl:remat[:unpacked]` (e.g. `auto:none`, `xla:block`, `cudnn:none:unpacked`): the
+A row is `impl:remat[:unpacked][@FWD/BWD]` (e.g. `auto:none`, `xla:block`, `cudnn:none:unpacked`,
+`auto:none@64/32`: the Pallas-Triton kernel's forward and backward blocks, where it runs): the
 production train step (`fbt_jax.train.step.train_step`, compiled per K by the Trainer) of the
 shape's config with that attention implementation and remat policy, on packed rows (documents with
 segment ids and positions, as text data trains) unless `unpacked`. Per K: the median step time of
@@ -22,6 +23,7 @@ import numpy as np
 from bench_configs import every_k_trainer, fbt_1b_config, sized_config, tiny_config
 
 from fbt_jax import attention, decode
+from fbt_jax.attention import pallas_gpu
 from fbt_jax.flops import train_step_flops
 from fbt_jax.model import ModelConfig, build_model
 
@@ -61,17 +63,23 @@ class Row:
     impl: str
     remat: str
     packed: bool
+    pallas_blocks: tuple[int, int] | None = None  # (forward, backward) of the Pallas-Triton kernel
 
     @classmethod
     def parse(cls, text: str) -> Row:
-        impl, *parts = text.split(":")
+        spec, _, blocks = text.partition("@")
+        impl, *parts = spec.split(":")
         remat, rest = (parts[0] if parts else "block"), parts[1:]
-        if impl not in attention.IMPLS or rest not in ([], ["unpacked"]):
-            raise SystemExit(f"gpu_check.py: row {text!r} is not impl:remat[:unpacked] with impl in {attention.IMPLS}")
-        return cls(impl, remat, not rest)
+        sizes = blocks.split("/") if blocks else []
+        if impl not in attention.IMPLS or rest not in ([], ["unpacked"]) or not all(s.isdigit() for s in sizes):
+            raise SystemExit(
+                f"gpu_check.py: row {text!r} is not impl:remat[:unpacked][@FWD/BWD] with impl in {attention.IMPLS}"
+            )
+        return cls(impl, remat, not rest, tuple(int(s) for s in sizes) if len(sizes) == 2 else None)
 
     def __str__(self) -> str:
-        return f"{self.impl}:{self.remat}" + ("" if self.packed else ":unpacked")
+        blocks = "" if self.pallas_blocks is None else "@{}/{}".format(*self.pallas_blocks)
+        return f"{self.impl}:{self.remat}" + ("" if self.packed else ":unpacked") + blocks
 
 
 def packed_batch(batch: dict, seq_len: int) -> dict:
@@ -89,10 +97,15 @@ def train_row(row: Row, shape: str, device: Any, smoke: bool, rounds: int, peaks
     config = shape_config(shape, smoke, batch_size)
     config.model.attention_impl, config.model.remat = row.impl, row.remat
     config.data.source = "text" if row.packed else "task"
+    defaults = pallas_gpu.FORWARD_BLOCK, pallas_gpu.BACKWARD_BLOCK
+    if row.pallas_blocks:  # read when the kernel is traced: set for this row's compiles only
+        pallas_gpu.FORWARD_BLOCK, pallas_gpu.BACKWARD_BLOCK = row.pallas_blocks
     try:
         return _time_row(config, row, device, rounds, peaks)
     except Exception as error:  # out of memory, or a kernel this device cannot compile: the row says so
         return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"}
+    finally:
+        pallas_gpu.FORWARD_BLOCK, pallas_gpu.BACKWARD_BLOCK = defaults
 
 
 def _time_row(config, row: Row, device: Any, rounds: int, peaks: dict) -> dict:

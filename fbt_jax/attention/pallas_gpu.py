@@ -14,9 +14,9 @@ from jax.experimental.pallas.ops.gpu import attention as triton_attention
 
 from fbt_jax.attention.spec import MaskSpec, pad_rows
 
-# The kernel's own defaults (forward 128×128, backward 32-blocks). A sequence shorter than a block
-# uses one block of its (power-of-two padded) length. Chosen by measurement: see
-# docs/performance.md (gpu_check --attention=pallas_gpu --pallas-block=…).
+# The kernel's own defaults (forward 128×128, backward 32-blocks); a sequence shorter than a block
+# uses one block of its (power-of-two padded) length. Not yet tuned on a GPU: gpu_check's rows
+# `auto:none@FWD/BWD` measure other sizes (docs/performance.md). Read at trace time.
 FORWARD_BLOCK = 128
 BACKWARD_BLOCK = 32
 
@@ -33,15 +33,15 @@ def pallas_gpu_attention(
     k_BTGH: jax.Array,
     v_BTGH: jax.Array,
     spec: MaskSpec,
-    forward_block: int = FORWARD_BLOCK,
-    backward_block: int = BACKWARD_BLOCK,
+    forward_block: int | None = None,
+    backward_block: int | None = None,
 ) -> jax.Array:
     if spec.window:
         raise ValueError("pallas_gpu_attention: no sliding window (resolve() refuses it)")
     B, T, N, H = q_BTNH.shape
     R = N // k_BTGH.shape[2]
     k_BTNH, v_BTNH = (jnp.repeat(x, R, axis=2) if R > 1 else x for x in (k_BTGH, v_BTGH))
-    padded, fwd, bwd = block_sizes(T, forward_block, backward_block)
+    padded, fwd, bwd = block_sizes(T, forward_block or FORWARD_BLOCK, backward_block or BACKWARD_BLOCK)
     q_BTNH, k_BTNH, v_BTNH, segment_ids_BT = pad_rows(padded, q_BTNH, k_BTNH, v_BTNH, spec.segment_ids_BT)
     blocks = triton_attention.BlockSizes(
         block_q=fwd, block_k=fwd, block_q_dkv=bwd, block_kv_dkv=bwd, block_q_dq=bwd, block_kv_dq=bwd
