@@ -156,7 +156,7 @@ def largest_batch(shape: str, row: Row, device: Any, smoke: bool, candidates=(32
     """The largest per-device batch whose K = 3 program (the largest) compiles within the device's
     memory, from the compiler's own figure (each candidate is compiled, never run)."""
     limit = (device.memory_stats() or {}).get("bytes_limit", 0)
-    for batch_size in (64, 32) if smoke else candidates:
+    for batch_size in (32,) if smoke else candidates:
         config = shape_config(shape, smoke, batch_size)
         config.model.attention_impl, config.model.remat = row.impl, row.remat
         try:
@@ -173,8 +173,9 @@ def generation(shape: str, device: Any, smoke: bool, batches=(1, 64), prompt: in
     and each mode's time per token relative to standard (what feedback costs per token)."""
     config = shape_config(shape, smoke)
     cfg = dataclasses.replace(ModelConfig.from_config(config.model), remat="none")
+    repeats = 3
     if smoke:
-        batches, prompt, new = (1, 2), 8, 8
+        batches, prompt, new, repeats = (2,), 8, 8, 1
     with jax.default_device(device):
         model = build_model(cfg, 0)
         rows = []
@@ -185,7 +186,7 @@ def generation(shape: str, device: Any, smoke: bool, batches=(1, 64), prompt: in
             for mode in decode.MODES:
                 decode.generate(model, prompts, lengths, new, mode)[0].block_until_ready()  # compile
                 runs = []
-                for _ in range(3):
+                for _ in range(repeats):
                     start = time.perf_counter()
                     decode.generate(model, prompts, lengths, new, mode)[0].block_until_ready()
                     runs.append(time.perf_counter() - start)

@@ -299,6 +299,24 @@ CASES = [
     case("train-heads-zero", [*NEW, "--config.model.num_heads=0"], 2, r"model.num_heads=0 must be a positive"),
     case("train-heads-not-dividing", [*NEW, "--config.model.num_heads=3"], 2, r"num_heads=3 does not divide.*choose"),
     case("train-unknown-dtype", [*NEW, "--config.model.param_dtype=float16"], 2, r"'float16' is unknown; use one of"),
+    case("train-attention-unknown", [*NEW, "--config.model.attention_impl=flash"], 2, r"'flash' is unknown; use one"),
+    case(
+        "train-attention-cudnn-on-a-cpu",
+        [*NEW, "--config.model.attention_impl=cudnn"],
+        2,
+        r"attention_impl=cudnn: cuDNN runs on GPUs only \(this backend is cpu\); .*use one of: xla, dot_product",
+    ),
+    case(
+        "train-attention-pallas-with-a-sliding-window",
+        [
+            *TEXT,
+            "--config.data.path={prep}",
+            "--config.model.attention_impl=pallas_gpu",
+            "--config.model.sliding_window=8",
+        ],
+        2,
+        r"pallas_gpu: the Pallas-Triton kernel has no sliding window; for float32 packed rows, sliding window 8",
+    ),
     case(
         "train-batch-not-divisible-by-data-parallel",
         [*NEW, "--config.mesh.data=8", "--config.train.batch_size=12"],

@@ -31,7 +31,7 @@ BENCHMARKS = {
 }
 # These quote what a command printed (a fenced text block) rather than a table.
 QUOTES_OUTPUT = {"first_run", "dry_run_memory"}
-HELPERS = {"docs_block", "bench_configs"}  # modules the benchmarks share
+HELPERS = {"docs_block", "bench_configs", "gpu_speed"}  # modules the benchmarks share (gpu_speed: gpu_check's)
 
 BEFORE = "# Notes\n\nText before the figures.\n\n"
 AFTER = "\nText after the figures, with a table of its own:\n\n| a | b |\n|---|---|\n| 1 | 2 |\n"

@@ -155,8 +155,8 @@ def describe(impl: str, platform: str, dtype: str, packed: bool, window: int, he
     """The start-up line: "attention: pallas_gpu (packed rows: segment ids)"."""
     chosen = resolve(impl, Call(platform, dtype, packed, window, head_dim))
     how = {
-        "xla": "XLA, scores masked from positions/segment ids",
-        "dot_product": "jax.nn.dot_product_attention with a mask",
+        "xla": "XLA einsums over the mask",
+        "dot_product": "jax.nn.dot_product_attention over the mask",
         "cudnn": "cuDNN flash, causal",
         "pallas_gpu": "segment ids" if packed else "causal",
         "splash": "segment ids" if packed else "causal",
