@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.gpu import attention as triton_attention
 
 from fbt_jax.attention.spec import MaskSpec, pad_rows
 
@@ -36,6 +35,10 @@ def pallas_gpu_attention(
     forward_block: int | None = None,
     backward_block: int | None = None,
 ) -> jax.Array:
+    # Imported where used: jax releases after 0.11.0 deprecate the Pallas-Triton ops (a warning on
+    # import) in favour of tokamax (docs/performance.md).
+    from jax.experimental.pallas.ops.gpu import attention as triton_attention
+
     if spec.window:
         raise ValueError("pallas_gpu_attention: no sliding window (resolve() refuses it)")
     B, T, N, H = q_BTNH.shape
