@@ -208,6 +208,7 @@ RUNS = [
 # What those commands create in the checkout (kept aside beforehand, removed afterwards).
 CREATED = [
     "runs/tiny",
+    "runs/profiled",  # docs/operations.md's profiled run (left behind, it made a second run of this test resume it)
     "runs/schedule",
     "runs/text",
     "runs/local2",
