@@ -39,6 +39,26 @@ def test_intervals_are_wilsons_and_a_seeded_bootstrap():
     assert high - low == pytest.approx(2 * 1.96 * values.std() / np.sqrt(200), rel=0.15)
 
 
+def test_intervals_contain_their_point_and_are_exact_at_none_and_all(tmp_path):
+    """Issue #35, 1: wilson(0, 3)'s lower bound was 5.6e-17 and wilson(10, 10)'s upper bound
+    0.9999999999999999, so the plot's error bars were negative and fbt-eval crashed."""
+    for n in range(1, 1001):
+        assert wilson(0, n)[0] == 0.0 and wilson(n, n)[1] == 1.0, n
+        for c in {0, 1, n // 3, n // 2, n - 1, n}:
+            low, high = wilson(c, n)
+            assert 0.0 <= low <= c / n <= high <= 1.0, (c, n)
+    for values in (np.full(7, 1 / 3), np.zeros(5), np.ones(9)):  # equal values: resample means an ulp off
+        low, high = bootstrap(values)
+        assert low <= values.mean() <= high
+    from fbt_jax.evals.report import plot
+    from fbt_jax.evals.scoring import summarize
+
+    ends = {"standard": {"a": [False], "b": [False], "c": [False]}, "soft": {"a": [True], "b": [True], "c": [True]}}
+    rows = {mode: summarize(correct, [4, 5, 6], (1,)) for mode, correct in ends.items()}
+    plot({"tasks": {"exact": rows}}, (1,), str(tmp_path / "scores.png"))  # raised ValueError: negative yerr
+    assert (tmp_path / "scores.png").stat().st_size > 0
+
+
 def test_answers_are_extracted_by_each_rule_and_compared():
     assert extract("12 apples, then 1,234.5 and finally 7.", {"kind": "last_number"}) == "7"
     assert extract("so x = \\boxed{\\frac{1}{2}} or \\boxed{3}", {"kind": "last_boxed"}) == "3"

@@ -85,14 +85,17 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def wilson(successes: float, trials: int) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion."""
+    """95% Wilson score interval of a proportion, containing it: exactly 0 at 0 successes and 1 at
+    all (in floating point centre − half lands a few ulps off, e.g. 5.6e-17 above 0 at 0 of 3, which
+    made the plot's error bars negative)."""
     if trials == 0:
         return (float("nan"), float("nan"))
     p = successes / trials
     denominator = 1 + Z95**2 / trials
     centre = (p + Z95**2 / (2 * trials)) / denominator
     half = Z95 * math.sqrt(p * (1 - p) / trials + Z95**2 / (4 * trials**2)) / denominator
-    return (max(0.0, centre - half), min(1.0, centre + half))
+    low, high = (0.0 if successes <= 0 else centre - half), (1.0 if successes >= trials else centre + half)
+    return (min(p, max(0.0, low)), max(p, min(1.0, high)))
 
 
 def bootstrap(values: np.ndarray, seed: int = 0, resamples: int = 2000) -> tuple[float, float]:
@@ -103,7 +106,9 @@ def bootstrap(values: np.ndarray, seed: int = 0, resamples: int = 2000) -> tuple
     rng = np.random.default_rng(seed)
     means = values[rng.integers(0, len(values), (resamples, len(values)))].mean(axis=1)
     low, high = np.percentile(means, [2.5, 97.5])
-    return (float(low), float(high))
+    # Equal values resample to means an ulp off their mean: the interval still contains the mean.
+    mean = float(values.mean())
+    return (min(float(low), mean), max(float(high), mean))
 
 
 def summarize(
