@@ -96,7 +96,6 @@ def train_row(row: Row, shape: str, device: Any, smoke: bool, rounds: int, peaks
     """One row's figures per K, or {"error": why} when it does not compile or fit."""
     config = shape_config(shape, smoke, batch_size)
     config.model.attention_impl, config.model.remat = row.impl, row.remat
-    config.data.source = "text" if row.packed else "task"
     defaults = pallas_gpu.FORWARD_BLOCK, pallas_gpu.BACKWARD_BLOCK
     if row.pallas_blocks:  # read when the kernel is traced: set for this row's compiles only
         pallas_gpu.FORWARD_BLOCK, pallas_gpu.BACKWARD_BLOCK = row.pallas_blocks
@@ -109,8 +108,7 @@ def train_row(row: Row, shape: str, device: Any, smoke: bool, rounds: int, peaks
 
 
 def _time_row(config, row: Row, device: Any, rounds: int, peaks: dict) -> dict:
-    packed = config.data.source == "text"
-    config.data.source = "task"  # the Trainer reads the built-in task; packing is added to its batch
+    packed = row.packed  # the Trainer reads the built-in task; packing is added to its batch
     trainer = every_k_trainer(config, [device])
     trainer.programs.packed = packed
     compiled = trainer.compile(PASS_COUNTS)
