@@ -71,6 +71,16 @@ def test_answers_are_extracted_by_each_rule_and_compared():
     assert same_answer(" $x + 1$ ", "x  + 1", "exact") and not same_answer("x+1", "x + 1", "exact")
 
 
+def test_unicode_minus_signs_and_sign_dashes_read_as_a_minus():
+    last = {"kind": "last_number"}
+    for minus in ("\u2212", "\ufe63", "\uff0d", "\u2012", "\u2013", "\u2014", "\u2010", "\u2011"):
+        assert extract(f"The answer is {minus}3.", last) == "-3", repr(minus)
+        assert same_answer(f"{minus}3", "-3", "numeric") and not same_answer(f"{minus}3", "3", "numeric")
+    assert extract("x = 10\u22123", last) == "-3"  # a minus is a minus, as "10-3" reads in ASCII
+    assert extract("pages 3\u20135", last) == "5" and extract("rest\u20147", last) == "7"  # ranges, words
+    assert extract("about \u2212.5 left", last) == "-.5" and same_answer("\u22120.5", "-.5", "numeric")
+
+
 def test_shipped_specs_render_gsm8k_and_mbpp_style_files():
     gsm8k = load_spec("gsm8k")
     problems = read_problems(gsm8k, os.path.join(EXAMPLES, "gsm8k_style.jsonl"))

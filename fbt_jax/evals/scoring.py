@@ -18,6 +18,11 @@ from typing import Any
 import numpy as np
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+# Unicode minus signs (U+2212 minus, small and fullwidth hyphen-minus) read as "-" everywhere; the
+# dashes (hyphens, figure, en and em dash) only as a sign: before a digit, after no letter or digit
+# (so "−3" and "–3" are -3, while a range "3–5" keeps its 5).
+MINUS_SIGNS = re.compile("[\u2212\ufe63\uff0d]")
+SIGN_DASHES = re.compile(r"(?<![\w.])[\u2010\u2011\u2012\u2013\u2014](?=\.?\d)")
 Z95 = 1.959963984540054
 
 
@@ -39,7 +44,7 @@ def extract(text: str, rule: dict[str, Any]) -> str | None:
     if kind == "text":
         found = text
     elif kind == "last_number":
-        numbers = NUMBER.findall(text)
+        numbers = NUMBER.findall(ascii_minus(text))
         found = numbers[-1] if numbers else None
     elif kind == "regex":
         matches = list(re.finditer(rule["pattern"], text))
@@ -51,9 +56,14 @@ def extract(text: str, rule: dict[str, Any]) -> str | None:
     return None if found is None else found.strip()
 
 
+def ascii_minus(text: str) -> str:
+    """`text` with Unicode minus signs, and dashes used as signs, written as an ASCII "-"."""
+    return SIGN_DASHES.sub("-", MINUS_SIGNS.sub("-", text))
+
+
 def _number(text: str) -> float | None:
     try:
-        return float(text.replace(",", "").replace("$", "").rstrip(".").strip())
+        return float(ascii_minus(text).replace(",", "").replace("$", "").rstrip(".").strip())
     except ValueError:
         return None
 
