@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fbt_jax import contraction, decode
+from fbt_jax import progress as shown_progress
 from fbt_jax.data.tasks import prompt_length
 from fbt_jax.errors import ConfigError
 from fbt_jax.feedback import feedback_pass
@@ -62,9 +63,7 @@ def depth_sweep(
     h = jax.jit(lambda: model.stack(e, positions, segments))()
     losses = [float(mean_loss(*readout_nll(model, h, targets, weights)))]
     change_sq, state_sq = [np.nan], [np.nan]
-    from tqdm import tqdm
-
-    with tqdm(total=max_depth, initial=1, unit="pass", disable=not progress, dynamic_ncols=True) as bar:
+    with shown_progress.shown(max_depth, progress, initial=1, unit="pass") as bar:
         while len(losses) < max_depth:
             h, (loss, c_sq, s_sq) = passes(h, jnp.int32(len(losses) + 1))
             take = min(chunk, max_depth - len(losses))

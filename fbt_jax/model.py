@@ -82,7 +82,7 @@ class ModelConfig:
     scale_logits: bool = True  # readout scaled by 1/sqrt(embed_dim), since the final-normed h has norm ~sqrt(D)
     remat: str = "none"  # a key of REMAT_POLICIES
     scan_layers: bool = False  # one scanned block: compile time flat in depth
-    attention_impl: str = "auto"  # fbt_jax/attention/spec.py: auto | xla (= einsum) | dot_product | cudnn | pallas_gpu | splash
+    attention_impl: str = "auto"  # spec.IMPLS: auto, xla (= einsum), dot_product, cudnn, pallas_gpu, splash
     loss_chunk_size: int = 0  # >0: readout + cross-entropy over chunks of this many positions (memory)
 
     @property

@@ -173,12 +173,16 @@ CONFIG_OUTPUT_DIRS = ("workdir", "checkpoint.dir", "data.cache_dir")
 
 
 def check_config_dirs(config: Any) -> None:
-    """ConfigError if a directory the run writes into is a file, or lies under one."""
+    """ConfigError if a directory the run writes into is a file, lies under one, or (unless this is a
+    dry run, which writes nothing) cannot be written: the workdir first, so that a read-only workdir
+    is named as such, not as the first of its subdirectories that the run would make."""
     for field in CONFIG_OUTPUT_DIRS:
         section, _, name = field.rpartition(".")
         value = (config[section] if section else config)[name]
         if value:
             check_dir_path(str(value), f"--config.{field}")
+            if not config.get("dry_run"):
+                check_output_dir(str(value), f"--config.{field}")
 
 
 def check_config_urls(config: Any) -> None:

@@ -5,8 +5,9 @@ subprocess and checks that
 
 (a) it exits with the documented code (fbt_jax/errors.py EXIT_CODES: 2 config/flags/input,
     5 checkpoint restore, 6 workdir in use; argparse usage errors exit 2 as well);
-(b) stderr ends with one line `<program>: ...` that names the problem and the fix (the case's
-    pattern), and no traceback anywhere;
+(b) stderr is one line `<program>: ...` that names the problem and the fix (the case's pattern):
+    no progress bar, warning or traceback before it (under launch/local.sh: each failed process's
+    own line, then the launcher's);
 (c) it fails before anything is compiled (fbt-train logs "compiled train step" when it compiles);
 (d) every file that existed beforehand (the case's own inputs, the shared trained run, corpus and
     prepared data) is byte-identical afterwards. New files may appear (a failed run may create its
@@ -26,6 +27,7 @@ import fcntl
 import glob
 import gzip
 import hashlib
+import io
 import json
 import os
 import random
@@ -253,6 +255,7 @@ class Case:
     devices: int = 1
     takes_lock: bool = False  # fbt-train took the workdir's lock before failing (may rewrite its holder line)
     needs_permissions: bool = False  # relies on file permissions, which root ignores
+    env: tuple[tuple[str, str], ...] = ()  # extra environment variables ({file} etc. filled in)
     xfail: str = ""  # "needs fix in <file>: <what>"
 
 
@@ -359,6 +362,13 @@ CASES = [
         2,
         r"--config.train.compilation_cache_dir='.*a-file' is a file; give a directory",
     ),
+    case(
+        "train-compilation-cache-variable-is-a-file",
+        NEW,
+        2,
+        r"^fbt-train: config error: JAX_COMPILATION_CACHE_DIR='.*a-file' is a file; unset it or point it at a directory",
+        env=(("JAX_COMPILATION_CACHE_DIR", "{file}"),),
+    ),
     case("train-profile-window-outside", [*NEW, "--config.train.profile_steps=2:99"], 2, r"outside the run's steps"),
     case("train-profile-window-malformed", [*NEW, "--config.train.profile_steps=10"], 2, r"is not START:END; give"),
     case(
@@ -377,7 +387,7 @@ CASES = [
         "train-workdir-read-only",
         [*NEW, "--config.workdir={tmp}/ro"],
         2,
-        r"not writable",
+        r"^fbt-train: config error: --config.workdir='.*/ro' is not writable",
         setup=read_only_workdir,
         needs_permissions=True,
     ),
@@ -813,7 +823,8 @@ def check(case: Case, tmp: str, shared: Shared) -> None:
     roots = [tmp, *shared.values()]
     before = snapshot(roots)
     start = time.perf_counter()
-    result = run(argv, environment(case.devices, tmp))
+    env = {**environment(case.devices, tmp), **{k: v.format_map(Fill(values)) for k, v in case.env}}
+    result = run(argv, env)
     seconds = time.perf_counter() - start
     after = snapshot(roots)
     output = result.stdout + result.stderr
@@ -823,7 +834,10 @@ def check(case: Case, tmp: str, shared: Shared) -> None:
     assert "Traceback" not in output, where
     lines = [line.strip() for line in re.split(r"[\r\n]", result.stderr) if line.strip()]
     program = PROGRAM_NAMES.get(argv[0], argv[0])
-    assert lines and lines[-1].startswith(f"{program}: "), where
+    # One line; under the launcher, one per process that failed and then the launcher's own.
+    before_last = lines[:-1] if program == "local.sh" else []
+    assert lines and all(line.startswith("fbt-train: ") for line in before_last), f"more than one line\n{where}"
+    assert len(lines) == len(before_last) + 1 and lines[-1].startswith(f"{program}: "), f"not one line\n{where}"
     assert re.search(case.message, lines[-1]), f"message does not match {case.message!r}\n{where}"
     assert not any(marker in output for marker in COMPILE_MARKERS), where
     changed = sorted(
@@ -904,3 +918,34 @@ def test_records_damaged_beyond_the_checked_size_fail_in_one_line_when_read(shar
         for start in range(0, len(source), 64):
             source.examples(list(range(start, min(start + 64, len(source)))))
     assert "\n" not in str(err.value)
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def screen(text: str) -> list[str]:
+    """What a terminal shows of `text`: each line as its last carriage return left it."""
+    return [line.rsplit("\r", 1)[-1].rstrip() for line in text.split("\n")]
+
+
+def test_a_progress_bar_is_cleared_before_an_error_and_kept_after_success():
+    """On a terminal the error's one line is alone (the bar's last frame used to stay above it); on
+    a pipe or a log file no bar is drawn at all, so the catalogue's single line holds there too."""
+    from fbt_jax import progress
+
+    terminal = Terminal()
+    with pytest.raises(ValueError), progress.shown(10, desc="prepare", file=terminal) as bar:
+        bar.update(3)
+        bar.refresh()
+        raise ValueError("bad input")
+    assert "prepare:  30%" in terminal.getvalue() and screen(terminal.getvalue())[-1] == ""
+    terminal = Terminal()
+    with progress.shown(2, desc="prepare", file=terminal) as bar:
+        bar.update(2)
+    assert [line for line in screen(terminal.getvalue()) if line][-1].startswith("prepare: 100%")
+    pipe = io.StringIO()
+    with progress.shown(2, desc="prepare", file=pipe) as bar:
+        bar.update(2)
+    assert pipe.getvalue() == ""

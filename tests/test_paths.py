@@ -56,6 +56,35 @@ def test_the_data_cache_must_be_local():
         paths.resolve_config_paths(config)
 
 
+def test_a_read_only_workdir_is_named_before_its_compilation_cache(tmp_path, monkeypatch):
+    """With the default train.compilation_cache_dir=auto the cache lies in the workdir; a read-only
+    workdir is reported as the workdir (it was reported as the cache flag, which the user never set).
+    Root ignores permissions, so the file system's answer is what this test sets."""
+    from fbt_jax.validation import validate_config
+
+    workdir = tmp_path / "ro"
+    workdir.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(workdir) else real_access(p, mode))
+    config = load_config("tiny")
+    config.workdir = str(workdir)
+    with pytest.raises(ConfigError) as err:
+        validate_config(config)
+    assert str(err.value).startswith(f"--config.workdir={str(workdir)!r} is not writable")
+    config.dry_run = True  # a dry run writes nothing: a read-only workdir is fine
+    validate_config(config)
+
+
+def test_a_compilation_cache_variable_is_named_as_the_variable(tmp_path, monkeypatch):
+    from fbt_jax.train import services
+
+    config = load_config("tiny")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path))
+    assert services.compilation_cache_flag(config) == "JAX_COMPILATION_CACHE_DIR"
+    config.train.compilation_cache_dir = str(tmp_path)
+    assert services.compilation_cache_flag(config) == "--config.train.compilation_cache_dir"
+
+
 class FakeCloudStorage(http.server.ThreadingHTTPServer):
     """Answers the Cloud Storage JSON API with 404 for every bucket but READ_ONLY, which exists and
     refuses every write with 403 (what a bucket without write permission answers); records the

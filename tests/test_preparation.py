@@ -308,3 +308,47 @@ def test_a_stop_while_the_workers_start_is_held_until_they_have_started():
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert reached == ["end of block"] and signal.getsignal(signal.SIGTERM) is previous
+
+
+def test_every_files_first_record_is_checked_before_any_unit(tmp_path, capsys):
+    """A .jsonl file whose first line lacks the text field, or a text file that does not start as
+    UTF-8, is refused before anything is written, however late it comes among the inputs."""
+    corpus, out = tmp_path / "corpus", str(tmp_path / "out")
+    write_mixed_corpus(corpus, num_files=4)
+    (corpus / "zz.jsonl").write_text('{"txt": "the field is misnamed"}\n{"text": "fine"}\n')
+    line = failure(prepare_args(corpus, out), capsys)
+    assert re.search(r"zz.jsonl:1 is not a JSON object with a 'text' string", line)
+    os.remove(corpus / "zz.jsonl")
+    (corpus / "zz.txt").write_bytes("déjà ".encode() * 20000 + b"\xff")  # bad beyond what is checked: later
+    (corpus / "zy.txt").write_bytes(b"\x1f\x8b\x08 a gzip file named .txt")
+    assert re.search(r"text file .*zy.txt is not UTF-8 text .* at byte 1\)", failure(prepare_args(corpus, out), capsys))
+    assert not os.path.exists(out)
+
+
+def test_a_replaced_input_is_prepared_again_unless_its_unit_was_complete(tmp_path, capsys):
+    """fbt-prepare stops on a truncated .gz after the units before it; the user replaces the file, as
+    the error advises, and the same command finishes the dataset (it was refused: the plan had the
+    old size). A changed file whose unit is complete is refused, naming it."""
+    corpus, out, fresh = tmp_path / "corpus", str(tmp_path / "out"), str(tmp_path / "fresh")
+    write_mixed_corpus(corpus, num_files=9)
+    fbt_prepare(prepare_args(corpus, fresh))
+    cut, first = corpus / "part05.jsonl.gz", corpus / "part00.jsonl"
+    whole, first_bytes = cut.read_bytes(), first.read_bytes()
+    cut.write_bytes(whole[: len(whole) // 2])
+    assert re.search(r"part05.jsonl.gz is truncated", failure(prepare_args(corpus, out), capsys))
+    plan = json.load(open(os.path.join(out, "prepare.json")))
+    unit_of_cut = next(u for u, files in enumerate(plan["units"]) if plan["inputs"][files[-1]][0] >= str(cut))
+    assert sorted(os.listdir(os.path.join(out, "progress"))) == [f"{u:05d}.json" for u in range(unit_of_cut)] != []
+    cut.write_bytes(whole)
+    first.write_bytes(first_bytes + b'{"text": "one more"}\n')
+    before = tree(out)
+    line = failure(prepare_args(corpus, out), capsys)
+    assert re.search(r"part00.jsonl changed since unit 0 of --output .* was prepared from it .*; restore it", line)
+    assert tree(out) == before
+    first.write_bytes(first_bytes)
+    fbt_prepare(prepare_args(corpus, out))
+    assert "1 input file(s) changed since the plan was written (" in capsys.readouterr().out
+    mine, theirs = split_streams(out), split_streams(fresh)  # the same tokens, split alike
+    assert mine.keys() == theirs.keys() and all(np.array_equal(mine[s], theirs[s]) for s in mine)
+    mine, theirs = records.read_meta(out), records.read_meta(fresh)
+    assert (mine["documents"], mine["tokens"]) == (theirs["documents"], theirs["tokens"])

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from fbt_jax import paths
+from fbt_jax import progress as shown_progress
 from fbt_jax.data import records, store
 from fbt_jax.data.documents import is_validation
 from fbt_jax.data.packing import RecordPacker
@@ -52,9 +53,10 @@ def staging_dir(output: str) -> str:
     return os.path.join(output, ".staging")
 
 
-def open_output(output: str, plan: dict[str, Any]) -> None:
-    """Start the preparation in `output`, or join or resume the one there; refuses a finished
-    dataset, a directory that is something else, and a preparation with other settings."""
+def open_output(output: str, plan: dict[str, Any], log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Start the preparation in `output`, or join or resume the one there; returns the plan in force.
+    Refuses a finished dataset, a directory that is something else, and a preparation with other
+    settings or files; an input file whose size changed is re-planned (`_replan`)."""
     existing = store.read_json(store.join(output, "prepare.json"))
     if existing is None and store.exists(store.join(output, "meta.json")):
         raise ConfigError(
@@ -72,11 +74,36 @@ def open_output(output: str, plan: dict[str, Any]) -> None:
         existing = store.read_json(store.join(output, "prepare.json"))  # another shard may have won
     for key in (*SETTINGS, "inputs"):
         if existing.get(key) != plan.get(key):
+            if key == "inputs" and [p for p, _ in existing["inputs"]] == [p for p, _ in plan["inputs"]]:
+                return _replan(output, existing, plan, log)
             what = "input files" if key == "inputs" else key
             raise ConfigError(
                 f"--output {output} holds a preparation with other {what} ({_short(existing.get(key))} here, "
                 f"{_short(plan.get(key))} in this command); run the command that started it, or choose a new directory"
             )
+    return existing
+
+
+def _replan(output: str, existing: dict[str, Any], plan: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
+    """The plan in `output` with the new sizes of the input files that changed since it was written
+    (a truncated file replaced, as its error advised): the units reading them must not be complete
+    (those are refused, naming the file); they keep their files, so complete units stay valid, and
+    are prepared again from the new bytes."""
+    sizes = [size for _, size in plan["inputs"]]
+    changed = [i for i, ((path, old), new) in enumerate(zip(existing["inputs"], sizes)) if old != new]
+    for unit, files in enumerate(existing["units"]):
+        for i in set(files) & set(changed):
+            if store.exists(progress_path(output, unit)):
+                path, old = existing["inputs"][i]
+                raise ConfigError(
+                    f"{path} changed since unit {unit} of --output {output} was prepared from it ({old:,} bytes then, "
+                    f"{sizes[i]:,} now); restore it, or prepare into a new directory"
+                )
+    replanned = {**existing, "inputs": plan["inputs"], "source": {**existing["source"], "bytes": sum(sizes)}}
+    store.write_json(store.join(output, "prepare.json"), replanned, staging_dir(output))
+    names = ", ".join(existing["inputs"][i][0] for i in changed[:3]) + (" and others" if len(changed) > 3 else "")
+    log(f"{len(changed)} input file(s) changed since the plan was written ({names}): their units are prepared again")
+    return replanned
 
 
 def _short(value: Any) -> str:
@@ -212,7 +239,7 @@ def prepare_shard(
     shards still have units to prepare."""
     if workers < 1:
         raise ConfigError(f"--workers={workers} must be at least 1 (the processes that tokenise in parallel)")
-    open_output(output, plan)
+    plan = open_output(output, plan, log)
     if store.exists(store.join(output, "meta.json")):  # the same command again, after the end: nothing to do
         log(f"{output} is already prepared by this command (meta.json); nothing to do")
         return store.read_json(store.join(output, "meta.json"))
@@ -222,12 +249,10 @@ def prepare_shard(
     todo = [unit for unit in mine if f"{unit_name(unit)}.json" not in recorded or unit_done(output, unit) is None]
     if len(todo) < len(mine):
         log(f"shard {shard_index} of {num_shards}: {len(mine) - len(todo)} of {len(mine)} units already prepared")
-    from tqdm import tqdm
-
     start, tokens = time.perf_counter(), 0
-    bar = tqdm(total=len(todo), desc=f"prepare shard {shard_index}/{num_shards}", unit="unit", disable=not progress)
+    bar = shown_progress.bar(len(todo), progress, desc=f"prepare shard {shard_index}/{num_shards}", unit="unit")
     jobs = [(plan, output, unit) for unit in todo]
-    pool = None
+    pool, failed = None, True
     try:  # a stop (SIGTERM) may come while the workers start: the bar is closed before it is reported
         if workers == 1 or len(todo) <= 1:
             finished = map(_run_unit, jobs)
@@ -238,8 +263,9 @@ def prepare_shard(
             tokens += sum(done["tokens"].values())
             bar.update(1)
             bar.set_postfix(tokens_per_s=f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f}")
+        failed = False
     finally:
-        bar.close()
+        shown_progress.close(bar, failed)
         if pool is not None:
             pool.terminate()
             pool.join()

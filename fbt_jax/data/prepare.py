@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     if meta is None:
         from fbt_jax.data import store
 
+        plan = store.read_json(store.join(output, "prepare.json")) or plan  # the plan in force (units kept)
         done = sum(store.exists(progress_path(output, u)) for u in range(len(plan["units"])))
         print(
             f"shard {shard_index} of {num_shards} is prepared ({done} of {len(plan['units'])} units of the dataset); "

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from fbt_jax import permissions
 from fbt_jax.data.packing import record_to_example, records_to_examples
 from fbt_jax.errors import ConfigError, describe
 
@@ -328,6 +329,7 @@ def download_dir(url: str, cache_dir: str) -> str:
                 shutil.copyfileobj(src, dst, 1 << 24)
         with open(os.path.join(staging, "meta.json"), "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2)
+        permissions.give_umask_modes(staging)  # mkdtemp's 0700: other users of this host share the cache
         os.rename(staging, local)
     except FileNotFoundError as err:
         raise ConfigError(

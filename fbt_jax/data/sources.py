@@ -9,6 +9,7 @@ Local and remote (gs://) files differ only in how globs expand (`_expand`) and b
 
 from __future__ import annotations
 
+import codecs
 import collections
 import dataclasses
 import glob
@@ -102,15 +103,34 @@ def read_documents(file: InputFile | str, text_key: str = "text", flag: str = "d
 
 
 def check_input(file: InputFile | str, text_key: str = "text", flag: str = "data.path") -> None:
-    """Cheap checks of one file before any work, without reading it: a .parquet file's schema has a
-    string column `text_key`, and a .gz/.zst file starts with its format's magic bytes."""
+    """Cheap checks of one file before any work, reading only its start: a .parquet file's schema
+    has a string column `text_key`; a .gz/.zst file starts with its format's magic bytes; the first
+    record of a .jsonl (compressed or not) holds a `text_key` string; a text file starts as UTF-8.
+    What lies further in (a later line, a truncated stream) is found when its unit is prepared."""
     path = file.path if isinstance(file, InputFile) else str(file)
-    if (kind := _kind(path)) in (*_MAGIC, ".parquet"):
-        with _open_checked(path, flag) as raw:
-            try:
-                _parquet_file(raw, path, text_key, flag) if kind == ".parquet" else _check_magic(raw, path, kind, flag)
-            except OSError as err:
-                raise _cannot_read(path, err, flag) from None
+    kind = _kind(path)
+    if kind.startswith(".jsonl"):
+        documents = read_documents(file, text_key, flag)
+        next(documents, None)  # the first line's errors are raised here
+        documents.close()
+        return
+    with _open_checked(path, flag) as raw:
+        try:
+            if kind == ".parquet":
+                _parquet_file(raw, path, text_key, flag)
+            elif kind in _MAGIC:
+                _check_magic(raw, path, kind, flag)
+            else:
+                head = raw.read(TEXT_HEAD_BYTES)
+                try:  # incremental: a character cut at the end of what was read is no error
+                    codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+                except UnicodeDecodeError:
+                    _utf8(head, path, flag, f"text file {path}", 0)  # the message names the first bad byte
+        except OSError as err:
+            raise _cannot_read(path, err, flag) from None
+
+
+TEXT_HEAD_BYTES = 1 << 16  # what check_input reads of a text file
 
 
 def _open(path: str) -> IO[bytes]:

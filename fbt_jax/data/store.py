@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from typing import Any
 
-from fbt_jax import paths
+from fbt_jax import paths, permissions
 
 
 def join(base: str, *names: str) -> str:
@@ -65,13 +65,14 @@ def publish(local: str, path: str) -> None:
         os.remove(local)
     else:
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.chmod(local, permissions.umask_mode())  # drafted privately; published as any file the user writes
         os.replace(local, path)
 
 
 def write_json(path: str, value: Any, staging: str) -> None:
     """Write `value` as JSON to `path` whole; `staging` is a local directory for the draft."""
     os.makedirs(staging, exist_ok=True)
-    fd, draft = tempfile.mkstemp(prefix=".draft-", suffix=".json", dir=staging)
+    fd, draft = tempfile.mkstemp(prefix=".draft-", suffix=".json", dir=staging)  # 0600 until published
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(value, f, indent=2)
     publish(draft, path)

@@ -12,6 +12,7 @@ import zlib
 from typing import Any
 
 from fbt_jax import decode
+from fbt_jax import progress as shown_progress
 from fbt_jax.data import store
 from fbt_jax.errors import ConfigError
 from fbt_jax.evals import builtin, scoring
@@ -185,8 +186,6 @@ def generate_all(
 ) -> dict[str, dict[str, float]]:
     """Decode and score every (task, problem, mode, sample) not yet in `done`, appending each batch;
     returns the generated tokens and run seconds per task/mode over every attempt (`timing.json`)."""
-    from tqdm import tqdm
-
     timing_path = os.path.join(output, TIMING)
     timing = store.read_json(timing_path) or {}
     sampling = Sampling(settings.temperature, settings.top_p, settings.top_k, settings.prefill_passes)
@@ -203,8 +202,10 @@ def generate_all(
         for sample in range(settings.samples)
         if (task.name, problem.id, mode, sample) not in done
     ]
-    bar = tqdm(total=len(todo), unit="gen", disable=not (progress and todo), dynamic_ncols=True)
-    with open(os.path.join(output, GENERATIONS), "a", encoding="utf-8") as out:
+    with (
+        shown_progress.shown(len(todo), progress and bool(todo), unit="gen") as bar,
+        open(os.path.join(output, GENERATIONS), "a", encoding="utf-8") as out,
+    ):
         for start in range(0, len(todo), batch_size):
             rows = todo[start : start + batch_size]
             groups: dict[tuple, list] = {}
@@ -237,7 +238,6 @@ def generate_all(
             bar.update(len(rows))
             seconds = sum(e["seconds"] for e in timing.values())
             bar.set_postfix(tokens_per_s=f"{sum(e['tokens'] for e in timing.values()) / max(seconds, 1e-9):,.0f}")
-    bar.close()
     return timing
 
 

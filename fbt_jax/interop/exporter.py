@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from fbt_jax import paths
+from fbt_jax import paths, permissions
 from fbt_jax.errors import ArgumentParser, ConfigError, reported
 from fbt_jax.interop import hf_files, tensors
 from fbt_jax.interop.hf_config import hf_config_from_model
@@ -113,6 +113,7 @@ def export_run(run: str, out: str, dtype: str = "", max_shard_size: str = "5GB",
         hf_files.write_json(os.path.join(tmp, SIDECAR_CONFIG), sidecar)
         hf_files.write_json(os.path.join(tmp, "config.json"), hf_config)
         files += ["config.json", SIDECAR_CONFIG, SIDECAR_WEIGHTS, *_copy_tokenizer(config, tmp, log)]
+        permissions.give_umask_modes(tmp)  # safetensors writes its files 0600: a model is handed to others
         if os.path.isdir(out):
             os.rmdir(out)  # empty (checked above)
         os.rename(tmp, out)

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from fbt_jax import checkpoint, contraction, workdir
+from fbt_jax import progress as shown_progress
 from fbt_jax.errors import Preempted
 from fbt_jax.metrics import MetricsWriter
 from fbt_jax.train.loop import Hook, StepEnd
@@ -46,7 +47,7 @@ class MetricsLogger(Hook):
         also_at: Callable[[StepEnd], bool] = lambda end: False,
     ):
         self.writer, self.log_every, self.saved_steps, self.also_at = writer, log_every, saved_steps, also_at
-        self.bar = progress_bar(steps, enabled=progress and jax.process_index() == 0, initial=start_step)
+        self.bar = shown_progress.bar(steps, progress and jax.process_index() == 0, initial=start_step, unit="step")
         self.shown = ""
         self.contraction = ""  # the monitor's last reading, shown until the next one
 
@@ -77,7 +78,7 @@ class MetricsLogger(Hook):
             )
 
     def close(self, failed: bool) -> None:
-        self.bar.close()
+        shown_progress.close(self.bar, failed)
 
 
 class Throughput(Hook):
@@ -247,12 +248,6 @@ def finish(cleanup: Callable[[], Any], failed: bool, log: Any) -> None:
         if not failed:
             raise
         log(f"warning: {' '.join(str(err).split())}")
-
-
-def progress_bar(total: int, enabled: bool, initial: int = 0) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True, file=sys.stderr)
 
 
 class Profiler(Hook):

@@ -36,6 +36,14 @@ def compilation_cache_dir(config: Any, workdir: str = "") -> str:
     return f"{base.rstrip('/')}/{CACHE_SUBDIR}" if paths.is_url(base) else os.path.join(base, CACHE_SUBDIR)
 
 
+def compilation_cache_flag(config: Any) -> str:
+    """What chose the run's compilation cache directory, for a message about it: the config field,
+    or $JAX_COMPILATION_CACHE_DIR where "auto" took it from the environment."""
+    if str(config.train.compilation_cache_dir) == "auto" and os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return "JAX_COMPILATION_CACHE_DIR"
+    return "--config.train.compilation_cache_dir"
+
+
 def use_compilation_cache(directory: str, flag: str = "--config.train.compilation_cache_dir") -> None:
     """Point JAX's persistent compilation cache at `directory` ("" turns it off), before anything
     is compiled; every program is cached, however quickly it compiled, unless the JAX variables
@@ -44,7 +52,9 @@ def use_compilation_cache(directory: str, flag: str = "--config.train.compilatio
 
     if directory and not paths.is_url(directory):
         if os.path.exists(directory) and not os.path.isdir(directory):
-            raise ConfigError(f"{flag}={directory!r} is a file; give a directory, or '' to turn the cache off")
+            variable = flag.isupper()  # JAX_COMPILATION_CACHE_DIR, not a flag
+            fix = "unset it or point it at a directory" if variable else "give a directory, or '' to turn the cache off"
+            raise ConfigError(f"{flag}={directory!r} is a file; {fix}")
         paths.check_output_dir(directory, flag)
         os.makedirs(directory, exist_ok=True)
     compilation_cache.reset_cache()  # a second run in one process may name another directory
@@ -64,7 +74,7 @@ def use_run_cache(config: Any, run: str, log: Any) -> None:
         workdir = os.path.dirname(workdir)
     directory = compilation_cache_dir(config, workdir)
     try:
-        use_compilation_cache(directory)
+        use_compilation_cache(directory, compilation_cache_flag(config))
     except ConfigError as err:
         log(f"compilation cache off for this command: {err}")
         use_compilation_cache("")

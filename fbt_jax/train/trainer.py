@@ -49,7 +49,8 @@ class Trainer:
                 f"model.vocab_size={config.model.vocab_size} is smaller than the data's vocabulary "
                 f"({data_vocab}); set --config.model.vocab_size={data_vocab} or larger"
             )
-        services.use_compilation_cache(services.compilation_cache_dir(config))  # before anything compiles
+        cache_dir = services.compilation_cache_dir(config)
+        services.use_compilation_cache(cache_dir, services.compilation_cache_flag(config))  # before anything compiles
         self.programs = TrainPrograms(config, self.schedule, devices, self.sources["train"].packed, self.log)
         self.state: TrainState | None = None
         self._monitor_batch: dict[str, jax.Array] | None = None  # the contraction monitor's fixed batch
