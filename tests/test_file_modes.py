@@ -35,7 +35,9 @@ def unreadable_by_another_user(root: str) -> list[str]:
     """The files under `root` that uid 65534 cannot read, asked of `find` run as that uid."""
     result = subprocess.run(
         ["find", root, "-type", "f", "!", "-readable"],
-        preexec_fn=lambda: (os.setgid(NOBODY), os.setuid(NOBODY)),
+        user=NOBODY,  # switched in the child by subprocess itself (no Python runs between fork and exec)
+        group=NOBODY,
+        extra_groups=[],
         capture_output=True,
         text=True,
         check=False,
