@@ -169,3 +169,117 @@ def verdict(check_result: Check, decided: str) -> str:
         return decided
     advice = check_result.advice or f"the trend points to about {check_result.suggested_steps} steps"
     return f"undecided at this budget ({advice})"
+
+
+# --- the verdict rule: judge a claim by its effect (issue #36) -----------------------------------------
+#
+# The budget check above asks every arm's every quantity to be flat. A verdict about a claim needs
+# less and is fixed before any outcome is read, the same for every claim:
+#   settled: the quantities the claim's effect is computed from, for the arms it compares, changed
+#     by less than their tolerance over the last 20% of training (`check` on those arms only);
+#   stable over a ladder: on budgets spanning at least LADDER_SPAN×, the effect (per seed) has the
+#     same sign at every rung, lies more than two standard errors (over seeds) from zero at the top
+#     two, and differs between them by less than two standard errors of that difference.
+# Where either holds the top rung's effect decides: the paper's sign beyond two standard errors (and
+# beyond `minimum`) is reproduced, the other sign the opposite of the paper, and within the noise of
+# zero not reproduced (reached only when settled: a stable ladder is never within noise at its top).
+
+LADDER_SPAN = 2.5  # the smallest budget ratio a ladder must span to show an effect stable
+EFFECT_SE = 2.0  # standard errors: the effect's distance from zero, and the top two rungs' agreement
+
+
+@dataclasses.dataclass(frozen=True)
+class Rung:
+    """An effect at one budget: its per-seed values, or (for a rung only a block's `mean ± std`
+    remembers) its mean, sample std and number of seeds, which are all the rule reads."""
+
+    steps: int
+    values: tuple[float, ...] = ()
+    summary: tuple[float, float, int] | None = None  # (mean, sample std, seeds) when values are gone
+
+    @property
+    def mean(self) -> float:
+        return float(np.mean(self.values)) if self.values else self.summary[0]
+
+    @property
+    def seeds(self) -> int:
+        return len(self.values) if self.values else self.summary[2]
+
+    @property
+    def se(self) -> float:
+        """The standard error of the mean over seeds (inf with fewer than two)."""
+        if self.seeds < 2:
+            return math.inf
+        std = float(np.std(self.values, ddof=1)) if self.values else self.summary[1]
+        return std / math.sqrt(self.seeds)
+
+
+@dataclasses.dataclass(frozen=True)
+class Judgement:
+    verdict: str  # reproduced | not reproduced | the opposite of the paper | undecided at this budget (...)
+    criterion: str  # "settled", "stable over a ladder", or "" (neither held)
+    line: str  # "verdict rule: ..." naming the criterion that held, or why neither did
+
+
+def ladder_stability(rungs: Sequence[Rung]) -> tuple[bool, str]:
+    """Whether the effect is stable over the ladder `rungs` (see above), and why (or why not)."""
+    rungs = sorted(rungs, key=lambda r: r.steps)
+    if len(rungs) < 2 or rungs[-1].steps < LADDER_SPAN * rungs[0].steps:
+        span = f"{rungs[-1].steps / rungs[0].steps:g}×" if len(rungs) > 1 else "one budget"
+        return False, f"no ladder spanning {LADDER_SPAN:g}× ({span})"
+    values = ", ".join(f"{r.mean:+.3g}" for r in rungs)
+    signs = {np.sign(r.mean) for r in rungs}
+    if len(signs) > 1 or 0 in signs:
+        return False, f"the effect changes sign over the ladder ({values})"
+    second, top = rungs[-2], rungs[-1]
+    if min(abs(second.mean) / second.se, abs(top.mean) / top.se) <= EFFECT_SE:
+        return False, (
+            f"the effect is within {EFFECT_SE:g} standard errors of zero at the top two rungs "
+            f"({second.mean:+.3g} ± {second.se:.2g}, {top.mean:+.3g} ± {top.se:.2g})"
+        )
+    gap, gap_se = abs(top.mean - second.mean), math.hypot(top.se, second.se)
+    steps = f"{rungs[0].steps}→{top.steps} steps ({top.steps / rungs[0].steps:g}×)"
+    if gap >= EFFECT_SE * gap_se:
+        return False, (
+            f"the effect still moves between the top two rungs ({second.mean:+.3g} → {top.mean:+.3g}, "
+            f"{gap:.2g} ≥ {EFFECT_SE:g} × {gap_se:.2g}) over {steps}: {values}"
+        )
+    return True, (
+        f"stable over {steps}: {values}, one sign at every rung, "
+        f"{abs(second.mean) / second.se:.1f} and {abs(top.mean) / top.se:.1f} standard errors from zero at the top "
+        f"two, which differ by {gap:.2g} < {EFFECT_SE:g} × {gap_se:.2g}"
+    )
+
+
+def judge(
+    effect: str,
+    rungs: Sequence[Rung],
+    settled: Check,
+    paper_sign: int = 1,
+    minimum: float = 0.0,
+    at_most: float | None = None,
+) -> Judgement:
+    """The verdict on a claim whose `effect` (its name, e.g. "soft − standard accuracy") was measured
+    per seed at the budgets `rungs`; `settled` is the budget check restricted to the arms and
+    quantities the effect is computed from (at the top rung). `paper_sign` is the effect's sign
+    where the paper's claim holds; `minimum` the size below which it does not count as reproduced.
+    A claim of no cost gives `at_most` instead: reproduced where the effect (a cost) is below it by
+    two standard errors, not reproduced otherwise."""
+    stable, why = ladder_stability(rungs)
+    top = max(rungs, key=lambda r: r.steps)
+    said = f"{effect} {top.mean:+.3g} ± {top.se:.2g} (standard error over {top.seeds} seeds) at {top.steps} steps"
+    if not (stable or settled.held):
+        reason = settled.line.removeprefix("budget check: failed").strip(" -")
+        line = f"verdict rule: neither criterion held: not settled ({reason}); not stable over a ladder: {why}"
+        return Judgement(verdict(settled, ""), "", line)
+    criterion = "stable over a ladder" if stable else "settled"
+    if at_most is not None:
+        decided = "reproduced" if top.mean + EFFECT_SE * top.se <= at_most else "not reproduced"
+    elif abs(top.mean) <= EFFECT_SE * top.se:
+        decided = "not reproduced"
+    elif np.sign(top.mean) == paper_sign:
+        decided = "reproduced" if abs(top.mean) > minimum else "not reproduced"
+    else:
+        decided = "the opposite of the paper"
+    evidence = why if stable else f"the compared arms settled ({settled.line.removeprefix('budget check: held')})"
+    return Judgement(decided, criterion, f"verdict rule: {criterion}: {evidence}; {said}: {decided}")

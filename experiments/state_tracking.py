@@ -8,12 +8,13 @@ held-out sequences:
 - per decoding mode (standard, soft, fused), inputs teacher-forced after a 4-token prompt
   (`fbt_jax.evaluate.mode_metrics`), scored on the positions after the prompt.
 
-Before any verdict, the budget check (`budget.py`): over the last 20% of training every arm's
-held-out K=1 accuracy moved by less than 0.01 and its K=1 loss by less than 2%, and every feedback
-arm's K=2 loss by less than 2%. The verdict (the paper's mixture decodes better with latent
-feedback than without) is written only where that held. Where it did not, the experiment climbs a
-budget ladder: the same sweep at 2.5× and then 5× the steps (`--ladder`), each in its own
-directory, stopping at the first rung whose check holds; each rung's check and verdict are shown.
+The claim's effect is soft − standard decoding accuracy of the paper's 75/22/3 arm, per seed. The
+verdict follows `budget.judge`: where that arm's held-out K=1 accuracy moved by less than 0.01, its
+K=1 and K=2 losses by less than 2% over the last 20% of training (settled), or where the effect is
+stable over a budget ladder of at least 2.5×. The budget check of every arm is still shown (an arm
+still moving is reported beside the verdict, not hidden). Until one criterion holds, the experiment
+climbs the ladder: the same sweep at 2.5× and then 5× the steps (`--ladder`), each in its own
+directory; each rung's check and verdict are shown, and the per-seed effects go to summary.json.
 A rung an earlier invocation measured keeps its row (carried from the block it wrote), so that
 `--ladder=2.5` can climb one rung in a later session, on a machine that kept none of the runs.
 
@@ -63,13 +64,38 @@ def mode_accuracy(rows: list[dict[str, Any]], schedule: str, mode: str) -> np.nd
     return np.array([r["modes"][mode]["accuracy"] for r in rows if r["label.schedule"] == schedule])
 
 
-def verdict(rows: list[dict[str, Any]], check: budget.Check) -> tuple[str, summary.Row]:
-    """Soft minus standard decoding accuracy of the paper's mixture, per seed: the verdict line and
-    the summary row."""
+EFFECT = "soft − standard accuracy (75/22/3)"
+MINIMUM = 0.02  # a gain below two points of accuracy does not reproduce the claim
+
+
+def effect(rows: list[dict[str, Any]]) -> budget.Rung:
+    """The claim's effect at one rung, per seed."""
     gains = mode_accuracy(rows, "paper", "soft") - mode_accuracy(rows, "paper", "standard")
-    spread = gains.std(ddof=1) / np.sqrt(len(gains)) if len(gains) > 1 else float("inf")
-    decided = "reproduced" if gains.mean() > max(0.02, 2 * spread) else "not reproduced"
-    said = budget.verdict(check, decided)
+    return budget.Rung(rows[0]["config"].train.steps, tuple(float(g) for g in gains))
+
+
+def compared_check(rows: list[dict[str, Any]], what: str) -> budget.Check:
+    """The budget check of what the effect is computed from: the paper arm's quantities."""
+    return budget_check([r for r in rows if r["label.schedule"] == "paper"], what)
+
+
+def earlier_effect(rung: dict[str, Any], recorded: dict[str, Any]) -> budget.Rung:
+    """A carried rung's effect: its per-seed values where summary.json kept them, else its mean,
+    sample std and seeds (from summary.json, or the ladder row's `mean ± std` of the sweep's three
+    seeds): all the rule reads."""
+    kept = recorded.get(str(rung["steps"]))
+    if isinstance(kept, list):
+        return budget.Rung(rung["steps"], tuple(kept))
+    if isinstance(kept, dict):
+        return budget.Rung(rung["steps"], summary=(kept["mean"], kept["std"], kept["seeds"]))
+    mean, std = (float(x) for x in rung["rows"][0][LADDER_HEADER.index("soft − standard")].split(" ± "))
+    return budget.Rung(rung["steps"], summary=(mean, std, 3))
+
+
+def verdict(rows: list[dict[str, Any]], judged: budget.Judgement, check: budget.Check) -> tuple[str, summary.Row]:
+    """The verdict line and summary row at the top rung so far (`judged` over every rung)."""
+    gains = np.array(effect(rows).values)
+    said = judged.verdict
     line = (
         f"verdict (the paper's 75/22/3 mixture decodes S3 better with latent feedback): soft − standard accuracy "
         f"{common.mean_std(gains)} over {len(gains)} seeds: {said}"
@@ -85,7 +111,8 @@ def verdict(rows: list[dict[str, Any]], check: budget.Check) -> tuple[str, summa
             f"; 50/25/25 standard {common.mean_std(mode_accuracy(rows, 'heavy', 'standard'))}, fused "
             f"{common.mean_std(mode_accuracy(rows, 'heavy', 'fused'))}"
         )
-    return line, summary.Row(figures, f"{RULE_TEXT}, over the last 20% of steps", check.held, said)
+    rule = f"{RULE_TEXT}, over the last 20% of steps (the 75/22/3 arm: settled), or the effect stable over a ladder"
+    return line, summary.Row(figures, rule, check.held, said, criterion=judged.criterion, effect=EFFECT)
 
 
 def size(config: Any) -> str:
@@ -179,26 +206,33 @@ def main() -> None:
     args = common.arguments(__doc__, NAME, extra=[ladder, scales.OPTION])
     factors = [float(f) for f in (args.ladder or (SMOKE_LADDER if args.smoke else LADDER)).split(",")]
     num_sequences = 32 if args.smoke else 256
-    rungs = []
-    for factor in factors:  # each rung is trained only when the one below it did not settle
+    base_steps = 0.0
+    rungs: list[dict[str, Any]] = []
+    earlier: list[dict[str, Any]] = []
+    recorded = summary.load_effects(args, NAME, scales.variant(args))
+    for factor in factors:  # each rung is trained only while no criterion has decided the claim
         rows = common.state_tracking_runs(args, factor)
         timer = common.Timer()
         for row in rows:
             row["modes"] = evaluate_modes(row, num_sequences)
         steps = rows[0]["config"].train.steps
+        base_steps = steps / factor
+        rung_steps = {round(f * base_steps) for f in common.LADDER}
+        earlier = common.earlier_rungs(
+            args, NAME, len(LADDER_HEADER), rung_steps, {r["steps"] for r in rungs} | {steps}
+        )
+        effects = [earlier_effect(r, recorded) for r in earlier] + [effect(r["rows"]) for r in rungs] + [effect(rows)]
+        judged = budget.judge(EFFECT, effects, compared_check(rows, f"{steps} steps"), minimum=MINIMUM)
         check = budget_check(rows, f"{steps} steps")
-        line, summary_row = verdict(rows, check)
+        line, summary_row = verdict(rows, judged, check)
         minutes = common.sweep_minutes(common.state_tracking_dir(args, factor))
-        rungs.append(dict(rows=rows, steps=steps, check=check, line=line, said=summary_row.verdict,
+        rungs.append(dict(rows=rows, steps=steps, check=check, line=line, said=summary_row.verdict, judged=judged,
                           row=summary_row, train=minutes, evaluate=timer.minutes()))  # fmt: skip
-        if check.held:
+        if judged.criterion:
             break
     last = rungs[-1]
     for rung in rungs:
         rung.update(cells=ladder_cells(rung), paragraphs=[rung["check"].line, rung["line"]])
-    base_steps = rungs[0]["steps"] / factors[0]
-    rung_steps = {round(f * base_steps) for f in common.LADDER}
-    earlier = common.earlier_rungs(args, NAME, len(LADDER_HEADER), rung_steps, {r["steps"] for r in rungs})
     for rung in earlier:  # its timing, as the block that measured it gave it
         timing = re.search(
             rf"{rung['steps']} steps: (\d+) min of job time, the mode evaluations ([\d.]+) min", rung["block"]
@@ -213,6 +247,8 @@ def main() -> None:
         for r in shown
     )
     carried = common.carried_note(earlier)
+    if earlier:
+        carried += " Their verdicts are as written then; the verdict rule's paragraph judges the whole ladder."
     scale = scales.of(args)
     flags = "".join(f" {flag}" for flag in (scales.variant(args), "--smoke" if args.smoke else "") if flag)
     overrides = "".join(f" --override={o}" for o in scale.sweep_overrides())
@@ -220,10 +256,11 @@ def main() -> None:
         f"Written by `python experiments/{NAME}.py{flags}` on {common.machine()}: "
         f"{len(last['rows'])} runs per budget ({size(last['rows'][0]['config'])}), trained by "
         f"`fbt-sweep run configs/sweeps/{NAME}.py{overrides} --parallel={scale.parallel}` ({scale.about}); budget ladder "
-        f"×{rung_factors(shown, base_steps)}, climbed until the budget check holds "
+        f"×{rung_factors(shown, base_steps)}, climbed until the verdict rule decides "
         f"({timings}); the modes are evaluated on {num_sequences} held-out sequences.{carried}",
         "",
         *[f"{paragraph}\n" for rung in shown for paragraph in rung["paragraphs"]],
+        f"{last['judged'].line}\n",
         "The budget ladder, the paper's mixture (accuracy after a 4-token prompt):\n",
         common.docs_block.table(LADDER_HEADER, [rung["cells"] for rung in shown]),
         "",
@@ -238,8 +275,18 @@ def main() -> None:
     ]
     common.finish(args, NAME, "\n".join(body))
     row = last["row"]
-    rule = f"{row.rule}; budget ladder ×{rung_factors(shown, base_steps)} until it holds"
-    summary.record(args, NAME, summary.Row(row.figures, rule, row.held, row.verdict), scales.variant(args))
+    rule = f"{row.rule} (ladder ×{rung_factors(shown, base_steps)})"
+    effects = {**recorded, **{str(r["steps"]): list(effect(r["rows"]).values) for r in rungs}}
+    for rung in earlier:  # only a summary survives of a rung whose runs and per-seed values are gone
+        if str(rung["steps"]) not in effects:
+            kept = earlier_effect(rung, recorded)
+            effects[str(rung["steps"])] = dict(mean=kept.mean, std=kept.summary[1], seeds=kept.seeds)
+    ladder_figures = ", ".join(
+        f"{r['steps']} steps {r['cells'][LADDER_HEADER.index('soft − standard')]}" for r in shown
+    )
+    figures = f"{row.figures}; soft − standard over the ladder: {ladder_figures}" if len(shown) > 1 else row.figures
+    row = summary.Row(figures, rule, row.held, row.verdict, criterion=row.criterion, effect=EFFECT, effects=effects)
+    summary.record(args, NAME, row, scales.variant(args))
 
 
 if __name__ == "__main__":

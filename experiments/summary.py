@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 
+import budget
 import common
 
 from fbt_jax.data import store
@@ -40,9 +41,12 @@ CLAIMS = {  # experiment: what the paper says (method.md §9)
 class Row:
     figures: str  # what was compared, with its numbers
     rule: str  # the budget rule, in a few words
-    held: bool  # whether it held on these runs
-    verdict: str  # budget.verdict's answer
+    held: bool  # whether every arm's budget check held on these runs (reported; the verdict needs less)
+    verdict: str  # budget.judge's answer (budget.verdict's, for a row recorded before the effect rule)
     smoke: bool = False
+    criterion: str = ""  # which criterion of budget.judge decided ("" where none did, or not yet judged)
+    effect: str = ""  # what the effect is ("soft − standard accuracy (75/22/3)")
+    effects: dict = dataclasses.field(default_factory=dict)  # steps → per-seed values ({mean, std, seeds} if gone)
 
 
 def rows_path(docs_path: str) -> str:
@@ -55,6 +59,15 @@ def load_rows(docs_path: str) -> dict[str, Row]:
         return {}
     with open(path, encoding="utf-8") as f:
         return {name: Row(**row) for name, row in json.load(f).items()}
+
+
+def load_effects(args: argparse.Namespace, name: str, variant: str = "") -> dict:
+    """The per-seed effects that summary.json keeps for experiment `name` (at `variant`), by steps:
+    what a later invocation judges a ladder with, when the runs are gone. Nothing for a smoke run."""
+    if args.smoke or not args.write_docs:
+        return {}
+    row = load_rows(args.write_docs).get(key(name, variant))
+    return dict(row.effects) if row else {}
 
 
 def key(name: str, variant: str = "") -> str:
@@ -70,27 +83,65 @@ def split_key(row_key: str) -> tuple[str, str]:
 
 def table(rows: dict[str, Row]) -> str:
     """One line per claim, then one per scaled run of its experiment (e.g. `--scale=gpu`)."""
-    header = ["the paper says", "here", "budget rule", "held?", "verdict"]
+    header = ["the paper says", "here", "rule", "every arm settled?", "decided by", "verdict"]
     lines = []
     for name, claim in CLAIMS.items():
         if name not in rows:
-            lines.append([claim, f"not yet run with its budget check (`experiments/{name}.py`)", "–", "–", "undecided"])
+            lines.append([claim, f"not yet run (`experiments/{name}.py`)", "–", "–", "–", "undecided"])
         for row_key in sorted(k for k in rows if split_key(k)[0] == name):
             row, variant = rows[row_key], split_key(row_key)[1]
             figures = f"{row.figures} (smoke run)" if row.smoke else row.figures
             said = f"the same, at `{variant}`" if variant else claim
-            lines.append([said, figures, row.rule, "yes" if row.held else "**no**", f"**{row.verdict}**"])
+            decided = row.criterion or ("neither criterion" if row.effect else "the older rule (every arm settled)")
+            lines.append([said, figures, row.rule, "yes" if row.held else "no", decided, f"**{row.verdict}**"])
     return common.docs_block.table(header, lines)
 
 
+def top_effect(row: Row) -> str:
+    """'+0.322 ± 0.027 (standard error over 3 seeds) at 30000 steps': the effect at the row's largest
+    budget."""
+    if not row.effects:
+        return ""
+    steps = max(row.effects, key=int)
+    kept = row.effects[steps]
+    if isinstance(kept, list):
+        rung = budget.Rung(int(steps), tuple(kept))
+    else:
+        rung = budget.Rung(int(steps), summary=(kept["mean"], kept["std"], kept["seeds"]))
+    return f"{rung.mean:+.3f} ± {rung.se:.3f} (standard error over {rung.seeds} seeds) at {steps} steps"
+
+
+def sentences(rows: dict[str, Row]) -> list[str]:
+    """One sentence per claim (and scaled run): reproduced, not, or open, with its numbers."""
+    out = []
+    for row_key in sorted(rows, key=lambda k: (list(CLAIMS).index(split_key(k)[0]), k)):
+        row, (name, variant) = rows[row_key], split_key(row_key)
+        claim = CLAIMS[name] + (f" (at `{variant}`)" if variant else "")
+        smoke = " (smoke run)" if row.smoke else ""
+        effect = f"{row.effect} {top_effect(row)}" if row.effect else row.figures
+        if row.verdict.startswith(("reproduced", "not reproduced", "the opposite")):
+            out.append(f"- **{row.verdict.capitalize()}**{smoke}: {claim}. {effect}; decided as {row.criterion}.")
+        else:
+            out.append(f"- **Open**{smoke}: {claim}. {effect}; {row.verdict}.")
+    return out
+
+
 def render(docs_path: str) -> str:
+    rows = load_rows(docs_path)
     body = [
         "Written by `python experiments/summary.py` from the rows each experiment records when it writes its "
-        f"block (`{os.path.relpath(rows_path(docs_path), os.path.dirname(os.path.abspath(docs_path)))}`). A verdict "
-        "is given only where the experiment's budget rule held on its runs; otherwise it is *undecided at this "
-        "budget*, with the budget the trend points to in the experiment's own block.",
+        f"block (`{os.path.relpath(rows_path(docs_path), os.path.dirname(os.path.abspath(docs_path)))}`, which "
+        "keeps each effect per seed and budget). Each claim is judged by its effect (`experiments/budget.py`, "
+        "fixed before the outcomes are read): a verdict where the arms the effect compares settled over the last "
+        "20% of training, or where the effect is stable over a budget ladder spanning at least 2.5× (one sign at "
+        "every rung, more than two standard errors from zero at the top two, which agree within two standard "
+        "errors); otherwise *undecided*, with the budget the trend points to. A row without a criterion was "
+        "recorded under the older rule (every arm of every quantity settled) and keeps that verdict until its "
+        "experiment runs again. At this scale:",
         "",
-        table(load_rows(docs_path)),
+        *sentences(rows),
+        "",
+        table(rows),
     ]
     return "\n".join(body)
 

@@ -83,6 +83,25 @@ def test_a_scaled_run_sizes_every_job_and_writes_only_its_own_block_and_summary_
     assert lines[1].startswith("| the same, at `--scale=gpu` | gpu figures |")
 
 
+def test_the_summary_states_each_claim_in_one_sentence_from_its_recorded_effects():
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import summary
+
+    ladder = {"6000": [0.299, 0.304, 0.309], "30000": {"mean": 0.322, "std": 0.046, "seeds": 3}}
+    rows = {
+        "state_tracking": summary.Row("figures", "rule", False, "reproduced", criterion="stable over a ladder",
+                                      effect="soft − standard accuracy (75/22/3)", effects=ladder),  # fmt: skip
+        "upcycle_split": summary.Row("split − one run -0.0375 ± 0.0086", "rule", False, "undecided at this budget (x)"),
+    }
+    first, second = summary.sentences(rows)
+    assert first.startswith("- **Reproduced**: latent feedback helps on state tracking")
+    assert "soft − standard accuracy (75/22/3) +0.322 ± 0.027 (standard error over 3 seeds) at 30000 steps" in first
+    assert first.endswith("decided as stable over a ladder.")
+    assert second.startswith("- **Open**: (fbt-jax's own)") and "-0.0375 ± 0.0086; undecided at this budget (x)." in second
+
+
 @pytest.fixture(scope="module")
 def smoke_dir(tmp_path_factory):
     """One directory for every smoke run, so that the state-tracking sweep is trained once."""
@@ -148,6 +167,57 @@ def test_the_budget_check_holds_on_a_settled_curve_and_extrapolates_a_moving_one
     assert budget.window_changes(longer, rule)[0] < 0.0105
     assert budget.verdict(moving, "reproduced").startswith("undecided at this budget (the trend points to about")
     assert budget.verdict(settled, "reproduced") == "reproduced"
+
+
+def test_the_verdict_rule_judges_the_effect_on_synthetic_ladders():
+    """Issue #36's rule: a verdict where the compared arms settled, or where the effect is stable
+    over a ladder of at least 2.5×, whatever an arm the verdict does not compare still does."""
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import budget
+
+    def arm(name, tau, seed, steps=6000):
+        values = {s: 0.9 * (1 - np.exp(-s / tau)) for s in range(steps // 20, steps + 1, steps // 20)}
+        curve = [(s, {"step": s, "accuracy_K1": v}) for s, v in values.items()]
+        return {"run": f"{name}-{seed}", "label.schedule": name, "label.seed": seed, "curve": curve}
+
+    rule = budget.Rule("accuracy_K1", tolerance=0.01)
+    compared = [arm(name, 300, seed) for name in ("standard", "soft") for seed in range(3)]
+    drifting = [arm("k1", 20000, seed) for seed in range(3)]  # the arm the verdict does not compare
+    settled, moving = budget.check(compared, [rule]), budget.check(compared + drifting, [rule])
+    assert settled.held and not moving.held  # the old rule asked every arm to be flat: never decided
+    def rung(steps, mean, noise=0.005):  # three seeds, sample std `noise`
+        return budget.Rung(steps, (mean - noise, mean, mean + noise))
+
+    # Settled at one budget: the top rung decides, by sign and two standard errors.
+    judged = budget.judge("soft − standard", [rung(6000, 0.3)], settled)
+    assert (judged.verdict, judged.criterion) == ("reproduced", "settled") and judged.line.startswith("verdict rule")
+    assert budget.judge("gain", [rung(6000, -0.3)], settled).verdict == "the opposite of the paper"
+    # A drifting baseline, a stable effect over 6000 → 15000 → 30000 (5×): decided by the ladder.
+    ladder = [rung(6000, 0.304), rung(15000, 0.345, noise=0.008), rung(30000, 0.322, noise=0.046)]  # docs/results
+    judged = budget.judge("soft − standard", ladder, moving)
+    assert (judged.verdict, judged.criterion) == ("reproduced", "stable over a ladder"), judged.line
+    assert "6000→30000 steps (5×)" in judged.line
+    # The same figures as a block's mean ± std remember them judge alike.
+    summaries = [budget.Rung(r.steps, summary=(r.mean, float(np.std(r.values, ddof=1)), 3)) for r in ladder]
+    assert budget.judge("soft − standard", summaries, moving) == judged
+    # An effect that shrinks rung after rung, or changes sign, or spans less than 2.5×: undecided.
+    for rungs, why in [
+        ([rung(6000, 0.3), rung(15000, 0.2), rung(30000, 0.1)], "still moves between the top two rungs"),
+        ([rung(6000, 0.1), rung(15000, -0.1), rung(30000, 0.1)], "changes sign"),
+        ([rung(6000, 0.3), rung(12000, 0.3)], "no ladder spanning 2.5× (2×)"),
+    ]:
+        judged = budget.judge("gain", rungs, moving)
+        assert judged.verdict.startswith("undecided at this budget") and judged.criterion == "", judged.line
+        assert why in judged.line and "neither criterion held" in judged.line
+    # Within the noise of zero at the top: not reproduced where settled, else undecided.
+    noise = [rung(6000, 0.01, noise=0.05), rung(15000, 0.005, noise=0.05), rung(30000, 0.008, noise=0.05)]
+    assert budget.judge("gain", noise, settled).verdict == "not reproduced"
+    judged = budget.judge("gain", noise, moving)
+    assert judged.verdict.startswith("undecided") and "within 2 standard errors of zero at the top two" in judged.line
+    # A real effect smaller than what the claim needs does not reproduce it.
+    assert budget.judge("gain", [rung(6000, 0.01, noise=0.001)], settled, minimum=0.02).verdict == "not reproduced"
 
 
 def test_a_later_invocation_keeps_the_ladder_rungs_an_earlier_one_wrote(tmp_path):
