@@ -269,7 +269,7 @@ def judge(
     top = max(rungs, key=lambda r: r.steps)
     said = f"{effect} {top.mean:+.3g} ± {top.se:.2g} (standard error over {top.seeds} seeds) at {top.steps} steps"
     if not (stable or settled.held):
-        reason = settled.line.removeprefix("budget check: failed").strip(" -")
+        reason = settled.line.split(" - ", 1)[-1].rstrip(".")  # after "budget check: failed (what) - "
         line = f"verdict rule: neither criterion held: not settled ({reason}); not stable over a ladder: {why}"
         return Judgement(verdict(settled, ""), "", line)
     criterion = "stable over a ladder" if stable else "settled"
@@ -281,5 +281,5 @@ def judge(
         decided = "reproduced" if abs(top.mean) > minimum else "not reproduced"
     else:
         decided = "the opposite of the paper"
-    evidence = why if stable else f"the compared arms settled ({settled.line.removeprefix('budget check: held')})"
+    evidence = why if stable else f"the compared arms settled ({settled.line.split(' - ', 1)[-1].rstrip('.')})"
     return Judgement(decided, criterion, f"verdict rule: {criterion}: {evidence}; {said}: {decided}")

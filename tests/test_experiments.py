@@ -91,15 +91,24 @@ def test_the_summary_states_each_claim_in_one_sentence_from_its_recorded_effects
 
     ladder = {"6000": [0.299, 0.304, 0.309], "30000": {"mean": 0.322, "std": 0.046, "seeds": 3}}
     rows = {
-        "state_tracking": summary.Row("figures", "rule", False, "reproduced", criterion="stable over a ladder",
-                                      effect="soft − standard accuracy (75/22/3)", effects=ladder),  # fmt: skip
+        "state_tracking": summary.Row(
+            "figures",
+            "rule",
+            False,
+            "reproduced",
+            criterion="stable over a ladder",
+            effect="soft − standard accuracy (75/22/3)",
+            effects=ladder,
+        ),  # fmt: skip
         "upcycle_split": summary.Row("split − one run -0.0375 ± 0.0086", "rule", False, "undecided at this budget (x)"),
     }
     first, second = summary.sentences(rows)
     assert first.startswith("- **Reproduced**: latent feedback helps on state tracking")
     assert "soft − standard accuracy (75/22/3) +0.322 ± 0.027 (standard error over 3 seeds) at 30000 steps" in first
     assert first.endswith("decided as stable over a ladder.")
-    assert second.startswith("- **Open**: (fbt-jax's own)") and "-0.0375 ± 0.0086; undecided at this budget (x)." in second
+    assert (
+        second.startswith("- **Open**: (fbt-jax's own)") and "-0.0375 ± 0.0086; undecided at this budget (x)." in second
+    )
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +196,7 @@ def test_the_verdict_rule_judges_the_effect_on_synthetic_ladders():
     drifting = [arm("k1", 20000, seed) for seed in range(3)]  # the arm the verdict does not compare
     settled, moving = budget.check(compared, [rule]), budget.check(compared + drifting, [rule])
     assert settled.held and not moving.held  # the old rule asked every arm to be flat: never decided
+
     def rung(steps, mean, noise=0.005):  # three seeds, sample std `noise`
         return budget.Rung(steps, (mean - noise, mean, mean + noise))
 
