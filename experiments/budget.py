@@ -213,6 +213,20 @@ class Rung:
         std = float(np.std(self.values, ddof=1)) if self.values else self.summary[1]
         return std / math.sqrt(self.seeds)
 
+    @classmethod
+    def from_record(cls, steps: int, kept: list[float] | dict[str, Any]) -> Rung:
+        """A rung as summary.json keeps it: its per-seed values, or {mean, std, seeds}."""
+        if isinstance(kept, list):
+            return cls(steps, tuple(kept))
+        return cls(steps, summary=(kept["mean"], kept["std"], kept["seeds"]))
+
+    def record(self) -> list[float] | dict[str, Any]:
+        """What summary.json keeps of this rung (`from_record`'s inverse)."""
+        if self.values:
+            return list(self.values)
+        mean, std, seeds = self.summary
+        return {"mean": mean, "std": std, "seeds": seeds}
+
 
 @dataclasses.dataclass(frozen=True)
 class Judgement:

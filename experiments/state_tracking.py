@@ -84,10 +84,8 @@ def earlier_effect(rung: dict[str, Any], recorded: dict[str, Any]) -> budget.Run
     sample std and seeds (from summary.json, or the ladder row's `mean ± std` of the sweep's three
     seeds): all the rule reads."""
     kept = recorded.get(str(rung["steps"]))
-    if isinstance(kept, list):
-        return budget.Rung(rung["steps"], tuple(kept))
-    if isinstance(kept, dict):
-        return budget.Rung(rung["steps"], summary=(kept["mean"], kept["std"], kept["seeds"]))
+    if kept is not None:
+        return budget.Rung.from_record(rung["steps"], kept)
     mean, std = (float(x) for x in rung["rows"][0][LADDER_HEADER.index("soft − standard")].split(" ± "))
     return budget.Rung(rung["steps"], summary=(mean, std, 3))
 
@@ -276,11 +274,9 @@ def main() -> None:
     common.finish(args, NAME, "\n".join(body))
     row = last["row"]
     rule = f"{row.rule} (ladder ×{rung_factors(shown, base_steps)})"
-    effects = {**recorded, **{str(r["steps"]): list(effect(r["rows"]).values) for r in rungs}}
+    effects = {**recorded, **{str(r["steps"]): effect(r["rows"]).record() for r in rungs}}
     for rung in earlier:  # only a summary survives of a rung whose runs and per-seed values are gone
-        if str(rung["steps"]) not in effects:
-            kept = earlier_effect(rung, recorded)
-            effects[str(rung["steps"])] = dict(mean=kept.mean, std=kept.summary[1], seeds=kept.seeds)
+        effects.setdefault(str(rung["steps"]), earlier_effect(rung, recorded).record())
     ladder_figures = ", ".join(
         f"{r['steps']} steps {r['cells'][LADDER_HEADER.index('soft − standard')]}" for r in shown
     )

@@ -103,11 +103,7 @@ def top_effect(row: Row) -> str:
     if not row.effects:
         return ""
     steps = max(row.effects, key=int)
-    kept = row.effects[steps]
-    if isinstance(kept, list):
-        rung = budget.Rung(int(steps), tuple(kept))
-    else:
-        rung = budget.Rung(int(steps), summary=(kept["mean"], kept["std"], kept["seeds"]))
+    rung = budget.Rung.from_record(int(steps), row.effects[steps])
     return f"{rung.mean:+.3f} ± {rung.se:.3f} (standard error over {rung.seeds} seeds) at {steps} steps"
 
 

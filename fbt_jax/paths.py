@@ -179,10 +179,8 @@ def check_config_dirs(config: Any) -> None:
     for field in CONFIG_OUTPUT_DIRS:
         section, _, name = field.rpartition(".")
         value = (config[section] if section else config)[name]
-        if value:
-            check_dir_path(str(value), f"--config.{field}")
-            if not config.get("dry_run"):
-                check_output_dir(str(value), f"--config.{field}")
+        if value:  # check_output_dir is check_dir_path and writability
+            (check_dir_path if config.get("dry_run") else check_output_dir)(str(value), f"--config.{field}")
 
 
 def check_config_urls(config: Any) -> None:

@@ -26,9 +26,10 @@ def umask_mode(directory: bool = False) -> int:
 
 def give_umask_modes(directory: str) -> None:
     """`umask_mode` for `directory` and everything under it (all of it written by this process)."""
-    os.chmod(directory, umask_mode(directory=True))
+    file_mode, directory_mode = umask_mode(), umask_mode(directory=True)
+    os.chmod(directory, directory_mode)
     for parent, dirs, files in os.walk(directory):
         for name in dirs:
-            os.chmod(os.path.join(parent, name), umask_mode(directory=True))
+            os.chmod(os.path.join(parent, name), directory_mode)
         for name in files:
-            os.chmod(os.path.join(parent, name), umask_mode())
+            os.chmod(os.path.join(parent, name), file_mode)
