@@ -138,8 +138,8 @@ def verdicts(
     lines = []
     for task, v in said.items():
         lines.append(f"verdict (one feedback pass makes the {task} answer readable at layer 0): {v}")
-        if judged[task] is not None:
-            lines.append(judged[task].line)
+        not_applied = f"verdict rule: not applied, there is no effect to judge ({v})"
+        lines.append(judged[task].line if judged[task] is not None else not_applied)
     rule = (
         "the 75/22/3 models settled (S3: the state-tracking rule, §1; delayed recall: K=1 accuracy within 0.01 and "
         "loss within 0.01 nats, K=2 accuracy within 0.01 and loss within 0.02 nats)"

@@ -136,6 +136,8 @@ def test_experiment_smoke_run_writes_its_block_and_plot(name, smoke_dir):
     assert "Smoke run" in block and EXPERIMENTS[name] in block
     # No verdict without the check that the runs had settled.
     assert "\nbudget check: " in block and "\nverdict (" in block
+    # ... and the verdict rule's line: which criterion held, or why neither did.
+    assert "\nverdict rule: " in block
     assert "nan" not in block.lower()
     # This experiment's row of the summary table, from this run; nothing else changed.
     summary = after.split(SUMMARY[0])[1].split(SUMMARY[1])[0]

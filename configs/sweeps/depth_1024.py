@@ -21,11 +21,11 @@ def get_sweep():
             "model.num_kv_heads": 1,
             "model.mlp_dim": 128,
             "train.batch_size": 4,
-            "train.steps": 600,
+            "train.steps": 900,
             "train.log_every": 50,
             "optimizer.warmup_steps": 30,
             "checkpoint.every_steps": 150,
-            "eval.every_steps": 60,  # 10 evals: the budget check reads the last 20% of the curve
+            "eval.every_steps": 60,  # 15 evals: the budget check reads the last 20% of the curve
             "eval.batch_size": 4,
             "eval.num_batches": 2,
             "eval.contraction_every_steps": 60,
