@@ -135,6 +135,15 @@ def default_config() -> ml_collections.ConfigDict:
     # the largest K trained, at every eval and every contraction_every_steps on one held-out batch.
     c.eval.contraction_passes = 4  # 0: off
     c.eval.contraction_every_steps = 500  # 0: only at evals
+    # lm-evaluation-harness tasks in each decoding mode during training (train/harness_hook.py);
+    # off while harness_tasks is empty.
+    c.eval.harness_tasks = ""  # the harness's task names, comma-separated
+    c.eval.harness_modes = "standard,soft,fused"
+    c.eval.harness_every_steps = 0  # 0: at the last step only
+    c.eval.harness_include = ""  # a directory of task YAMLs (the harness's include path)
+    c.eval.harness_limit = 0  # first N documents per task (0: all)
+    c.eval.harness_num_fewshot = -1  # -1: each task's own
+    c.eval.harness_batch_size = 32
     # Locked: a misspelt field in a config file (c.train.step = 5) is an error, not a new field.
     c.lock()
     return c

@@ -197,6 +197,10 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
         e.contraction_every_steps >= 0,
         f"eval.contraction_every_steps={e.contraction_every_steps} is negative; use 0 to monitor at evals only",
     )
+    if e.harness_tasks.strip():  # lm-evaluation-harness during training: its fields, one line each
+        from fbt_jax.evals.harness_run import settings_from_config
+
+        settings_from_config(config)
     paths.check_config_dirs(config)
     if str(t.compilation_cache_dir) not in ("auto", ""):
         paths.check_dir_path(str(t.compilation_cache_dir), "--config.train.compilation_cache_dir")

@@ -305,6 +305,39 @@ def trained_run(tmp_path_factory):
     return workdir
 
 
+HARNESS_TASKS = os.path.join(ROOT, "tests", "harness")  # tiny local lm-evaluation-harness tasks
+HARNESS_STEPS = 60
+
+
+@pytest.fixture(scope="session")
+def text_run(prepared, tmp_path_factory):
+    """A tiny byte-level text run (60 steps, {2, 3} passes from step 30) that ran the harness's
+    tiny_mc and tiny_ppl in each mode at steps 30 and 60 (`eval.harness_tasks`), from the
+    repository root as their relative data files ask."""
+    workdir = str(tmp_path_factory.mktemp("harness") / "run")
+    run_command(
+        [
+            "fbt-train",
+            "--config=configs/tiny.py",
+            f"--config.workdir={workdir}",
+            "--config.data.source=text",
+            f"--config.data.path={prepared[1]}",
+            "--config.data.seq_len=32",
+            "--config.model.vocab_size=257",
+            f"--config.train.steps={HARNESS_STEPS}",
+            "--config.optimizer.warmup_steps=4",
+            "--config.eval.num_batches=0",
+            "--config.passes.schedule=0:1;0.5:2=0.9,3=0.1",
+            "--config.eval.harness_tasks=tiny_mc,tiny_ppl",
+            f"--config.eval.harness_include={HARNESS_TASKS}",
+            f"--config.eval.harness_every_steps={HARNESS_STEPS // 2}",
+        ],
+        cpu_env(1),
+        check=True,
+    )
+    return workdir
+
+
 # --- a subword tokenizer, trained here (no download) -----------------------------------------------------
 
 BPE_SPECIALS = ["<|endoftext|>", "<s>", "</s>", "<pad>"]

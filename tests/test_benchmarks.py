@@ -28,6 +28,7 @@ BENCHMARKS = {
     "gpu_check": "checks",
     "interop_memory": "export",
     "restart_cost": "start_up",
+    "harness_cost": "results",
 }
 # These quote what a command printed (a fenced text block) rather than a table.
 QUOTES_OUTPUT = {"first_run", "dry_run_memory"}

@@ -107,6 +107,13 @@ RUNS = [
         "| mbpp | fused | 4 |",
     ),
     (
+        "docs/evaluation.md",
+        "fbt-eval --checkpoint=runs/text --harness=tiny_mc,tiny_ppl,tiny_gen --harness-include=tests/harness "
+        "--output=runs/text/harness",
+        "",
+        "| tiny_mc | soft | acc |",
+    ),
+    (
         "docs/data.md",
         "DRY_RUN=1 SLURM_ARRAY_TASK_ID=0 SLURM_ARRAY_TASK_COUNT=16 bash launch/slurm_prepare.sbatch "
         "--input=corpus/*.jsonl --output=prepared/web --seq-len=2048",

@@ -231,12 +231,26 @@ def test_a_killed_sweep_resumes_to_the_same_numbers_and_reports(tmp_path):
     scored = interrupted / "runs" / "schedule=heavy,seed=0" / "generative"
     scored.mkdir()
     (scored / "scores.json").write_text(json.dumps(tables(records, ("standard", "soft"), (1,), {})))
+    # Another with fbt-eval --harness (its harness.json as evals/harness_run.py writes it).
+    from fbt_jax.evals.harness_run import tables as harness_tables
+
+    per_mode = {mode: {"results": {"tiny_mc": {"acc,none": acc, "acc_stderr,none": 0.25}},
+                       "samples": {"tiny_mc": [{"doc_id": i, "acc": float(i < 4 * acc)} for i in range(4)]}}
+                for mode, acc in (("standard", 0.25), ("soft", 0.5))}  # fmt: skip
+    harnessed = interrupted / "runs" / "schedule=k12,seed=0" / "generative"
+    harnessed.mkdir()
+    (harnessed / "harness.json").write_text(json.dumps(harness_tables(per_mode, ("standard", "soft"))))
     command, env = sweep_command("report", f"--dir={interrupted}", "--scores=generative")
     report = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert report.returncode == 0, report.stderr
     with open(interrupted / "results.csv") as f:
-        scores = {row["run"]: row["final_word_problem/soft/pass@1"] for row in csv.DictReader(f)}
+        rows = {row["run"]: row for row in csv.DictReader(f)}
+    scores = {run: row["final_word_problem/soft/pass@1"] for run, row in rows.items()}
     assert scores == {"schedule=k1,seed=0": "", "schedule=k12,seed=0": "", "schedule=heavy,seed=0": "0.75"}
+    assert (
+        rows["schedule=k12,seed=0"]["final_tiny_mc/soft/acc"] == "0.5"
+        and rows["schedule=k1,seed=0"]["final_tiny_mc/soft/acc"] == ""
+    )
     rows = open(interrupted / "results.csv").read().splitlines()
     assert len(rows) == 4 and rows[0].startswith("run,label.schedule")
     with open(interrupted / "results.csv") as f:

@@ -4,10 +4,12 @@
     fbt-eval --checkpoint=runs/tiny --tasks=word_problem --output=runs/tiny/gen # generative, 3 modes
     fbt-eval --checkpoint=runs/text --tasks=gsm8k@gsm8k_test.jsonl,mbpp@mbpp.jsonl --output=gen \\
         --samples=10 --temperature=0.8 --pass-at=1,10
+    fbt-eval --checkpoint=runs/text --harness=hellaswag,lambada_openai --output=runs/text/harness
 
 Without --tasks it measures depth stability, sequential feedback, per-position accuracy per mode and
 probes (`evaluate.py`); with --tasks it decodes every problem of each task in each mode and scores
-the generations (`evals/`).
+the generations (`evals/`); with --harness it runs lm-evaluation-harness tasks in each mode
+(`evals/harness_run.py`).
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ def parser() -> ArgumentParser:
     gen.add_argument(
         "--no-sandbox", action="store_true", help="run generated programs without containment (trusted code only)"
     )
+    harness = p.add_argument_group("lm-evaluation-harness (also --modes, --batch-size, --prefill-passes, --seed)")
+    harness.add_argument("--harness", default="", help="the harness's task names, comma-separated")
+    harness.add_argument("--harness-include", default="", help="a directory of task YAMLs (the harness's include path)")
+    harness.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
+    harness.add_argument("--limit", type=int, default=0, help="first N documents per task (0: all)")
     return p
 
 
@@ -72,6 +79,9 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError("--output for --tasks must be a local directory (generations are appended as they come)")
         paths.check_output_dir(output, "--output")
         checkpoint_path = paths.resolve(args.checkpoint, "--checkpoint")
+        if args.harness:
+            harness_evaluation(cli, args, checkpoint_path, output)
+            return
         if args.tasks:
             given = [f"--{k.replace('_', '-')}" for k in DEPTH_FLAGS if getattr(args, k) != cli.get_default(k)]
             if given:
@@ -101,6 +111,38 @@ def main(argv: list[str] | None = None) -> None:
             data_path=paths.resolve(args.data_path, "--data-path"),
         )
     print_report(report, output)
+
+
+def harness_evaluation(cli: ArgumentParser, args: argparse.Namespace, checkpoint: str, output: str) -> None:
+    """`--harness`: its flags checked (one line each) before anything loads, then every task in every mode."""
+    from fbt_jax import decode
+
+    own = ("harness", "harness_include", "num_fewshot", "limit", "modes", "batch_size", "prefill_passes", "seed",
+           "checkpoint", "output")  # fmt: skip
+    given = [f"--{k.replace('_', '-')}" for k in vars(args) if k not in own and getattr(args, k) != cli.get_default(k)]
+    if given:
+        raise ConfigError(f"{', '.join(given)} do(es) not apply to --harness; drop them")
+    if paths.is_url(output):
+        raise ConfigError("--output for --harness must be a local directory (its cache is written as it goes)")
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    if not modes or any(m not in decode.MODES for m in modes):
+        raise ConfigError(f"--modes={args.modes!r}: use some of {','.join(decode.MODES)}")
+    if (args.num_fewshot is not None and args.num_fewshot < 0) or args.limit < 0 or args.prefill_passes < 1:
+        raise ConfigError("--num-fewshot and --limit must be >= 0, --prefill-passes >= 1")
+    include = paths.resolve(args.harness_include, "--harness-include") if args.harness_include else ""
+    if include and not os.path.isdir(include):
+        raise ConfigError(f"--harness-include={args.harness_include} is not a directory of task YAMLs")
+    from fbt_jax.evals.harness_run import TABLE, HarnessSettings, evaluate_harness
+
+    tasks = tuple(dict.fromkeys(t.strip() for t in args.harness.split(",") if t.strip()))
+    settings = HarnessSettings(tasks, modes, include, args.num_fewshot, args.limit, args.batch_size,
+                               args.prefill_passes, args.seed)  # fmt: skip
+    os.makedirs(output, exist_ok=True)
+    divert_library_noise(os.path.join(output, "fbt-eval.log"))
+    evaluate_harness(checkpoint, output, settings)
+    with open(os.path.join(output, TABLE), encoding="utf-8") as f:
+        print(f.read(), end="")
+    print(f"wrote {os.path.join(output, TABLE)} and harness.json")
 
 
 def generative_settings(args: argparse.Namespace):

@@ -92,8 +92,10 @@ def _chunk(static: tuple, graphdef: Any, params: Any, state, seeds_B: jax.Array,
     return state, done_B, tokens_CB.T, live_CB.T
 
 
-class Generator:
-    """One model's generations, its batches split over `devices` (default: this host's)."""
+class Compiled:
+    """A model's parameters replicated over `devices` (default: this host's), each batch's rows split
+    over them; every program compiled once per (static settings, shapes), its compile time kept
+    apart from its run time. Generation and scoring (`likelihood.py`) run their programs here."""
 
     def __init__(self, model: Any, devices: Sequence[Any] | None = None):
         devices = list(devices or jax.local_devices())
@@ -104,8 +106,16 @@ class Generator:
         self.compiled: dict[tuple, Any] = {}
         self.timing = Timing()
 
-    def _run(self, fn: Any, static: tuple, *args: Any) -> Any:
-        """`fn` compiled once per (static settings, shapes), compile time kept apart."""
+    @property
+    def num_devices(self) -> int:
+        return self.mesh.devices.size
+
+    def put_rows(self, array: np.ndarray) -> jax.Array:
+        """A host batch, its rows (a multiple of the device count) split over the devices."""
+        return jax.device_put(array, self.rows)
+
+    def run(self, fn: Any, static: tuple, *args: Any) -> Any:
+        """`fn(static, graphdef, params, *args)`, compiled once per (static settings, shapes)."""
         key = (fn.__name__, static, *(getattr(a, "shape", None) for a in jax.tree.leaves(args)))
         if key not in self.compiled:
             start = time.perf_counter()
@@ -115,6 +125,10 @@ class Generator:
         result = jax.block_until_ready(self.compiled[key](self.params, *args))
         self.timing.decode_s += time.perf_counter() - start
         return result
+
+
+class Generator(Compiled):
+    """One model's generations, its batches split over `devices` (default: this host's)."""
 
     def generate(
         self,
@@ -129,7 +143,7 @@ class Generator:
         """The generated ids of each request (up to `max_new_tokens`, ending with a stop token or
         the tokens that completed a stop sequence). All requests form one batch (padded to a
         multiple of the device count)."""
-        devices = self.mesh.devices.size
+        devices = self.num_devices
         rows = math.ceil(len(requests) / devices) * devices
         prompt_len = max(len(r.prompt) for r in requests)
         prompt_len = math.ceil(prompt_len / PROMPT_BUCKET) * PROMPT_BUCKET
@@ -143,16 +157,16 @@ class Generator:
         for i, r in enumerate(requests):
             prompts[i, : len(r.prompt)], lengths[i], seeds[i] = r.prompt, len(r.prompt), r.seed
             forced[i] = r.forced
-        put = functools.partial(jax.device_put, device=self.rows)
+        put = self.put_rows
         cache_len = prompt_len + forced_len + chunks * chunk
-        state = self._run(_prefill, (mode, sampling.prefill_passes, cache_len), put(prompts), put(lengths), put(forced))
+        state = self.run(_prefill, (mode, sampling.prefill_passes, cache_len), put(prompts), put(lengths), put(forced))
         done = put(np.zeros((rows,), bool))
         static = (mode, chunk, sampling.temperature, sampling.top_k, sampling.top_p, tuple(stop_ids))
         out: list[list[int]] = [[] for _ in requests]
         stopped = np.zeros((rows,), bool)
         stopped[len(requests) :] = True  # padding rows
         for c in range(chunks):
-            state, done, tokens, live = self._run(_chunk, static, state, put(seeds), done, jnp.int32(c * chunk))
+            state, done, tokens, live = self.run(_chunk, static, state, put(seeds), done, jnp.int32(c * chunk))
             tokens, live = np.asarray(tokens), np.asarray(live)
             for i in range(len(requests)):
                 if not stopped[i]:

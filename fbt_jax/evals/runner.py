@@ -126,9 +126,10 @@ def load_tasks(settings: EvalSettings, config: Any, tokenizer: Any) -> list[Task
     return tasks
 
 
-def open_output(output: str, identity: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
-    """The generations already written by this same evaluation (a torn last line is dropped)."""
-    settings_path, generations_path = os.path.join(output, SETTINGS_FILE), os.path.join(output, GENERATIONS)
+def claim_output(output: str, identity: dict[str, Any]) -> None:
+    """`output` for the evaluation `identity` (its settings): a new or empty directory is claimed
+    (the settings written), one holding the same evaluation is continued, another is refused."""
+    settings_path = os.path.join(output, SETTINGS_FILE)
     recorded = store.read_json(settings_path)
     if recorded is not None:
         changed = sorted(k for k in set(recorded) | set(identity) if recorded.get(k) != identity.get(k))
@@ -143,6 +144,12 @@ def open_output(output: str, identity: dict[str, Any]) -> dict[tuple, dict[str, 
         )
     else:
         store.write_json(settings_path, identity, staging=output)
+
+
+def open_output(output: str, identity: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
+    """The generations already written by this same evaluation (a torn last line is dropped)."""
+    claim_output(output, identity)
+    generations_path = os.path.join(output, GENERATIONS)
     done: dict[tuple, dict[str, Any]] = {}
     if os.path.exists(generations_path):
         with open(generations_path, "rb") as f:

@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--min-shared-steps", type=int, default=None, help="shortest trunk worth a job")
     parser.add_argument(
-        "--scores", default="", help="report: each run's `fbt-eval --tasks` output, relative to its workdir"
+        "--scores",
+        default="",
+        help="report: each run's `fbt-eval --tasks` or `--harness` output, relative to its workdir",
     )
     with reported(PROG):
         args = parser.parse_args(argv)

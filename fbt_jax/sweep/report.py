@@ -70,6 +70,7 @@ def gather(sweep_dir: SweepDirectory, sweep: Sweep, jobs: list[Job], scores: str
             row["goodput"] = sum(t["seconds"]["steps"] for t in times) / wall if wall else 0.0
         if scores:
             row |= generative_scores(os.path.join(chain[-1].workdir, scores, "scores.json"))
+            row |= harness_scores(os.path.join(chain[-1].workdir, scores, "harness.json"))
         row["mean_num_passes"] = float(np.mean(ks))
         row["curve"] = [(r["step"] * tokens_per_step, r) for r in curve]
         row["overrides"] = run.overrides
@@ -86,6 +87,18 @@ def generative_scores(path: str) -> dict[str, float]:
         for mode, row in per_mode.items()
         for key, value in row.items()
         if key.startswith("pass@") and not key.endswith("_ci")
+    }
+
+
+def harness_scores(path: str) -> dict[str, float]:
+    """`final_<task>/<mode>/<metric>` of a run's `fbt-eval --harness` (nothing if it has none yet)."""
+    found = read_json(path) or {"tasks": {}}
+    return {
+        f"final_{task}/{mode}/{metric}": value
+        for task, per_mode in found["tasks"].items()
+        for mode, cells in per_mode.items()
+        for metric, value in cells.items()
+        if not metric.endswith("_stderr") and metric != "documents" and isinstance(value, (int, float))
     }
 
 

@@ -213,11 +213,18 @@ class Trainer:
         ledger.add("compile", sum(report["compile_seconds"] for report in compile_report.values()))
         writer = MetricsWriter.for_run(cfg, run_dir.local, resume_step=start_step)
         saver = hooks.CheckpointSaver(checkpointer, cfg, run_dir, self.log) if checkpointer is not None else None
+        harness = None
+        if cfg.eval.harness_tasks.strip():  # the tasks and their data are checked here, before the first step
+            from fbt_jax.evals.harness_run import settings_from_config
+            from fbt_jax.train.harness_hook import HarnessEvaluator
+
+            harness = HarnessEvaluator(cfg, settings_from_config(cfg), self.programs.graphdef, self.log)
         monitor = None
         if self.programs.contraction is not None:
             monitor = hooks.ContractionMonitor(self.monitor_contraction, cfg.eval.contraction_every_steps, self.log)
         # The logger also writes at every step that saves (after its finiteness check) or is measured.
-        also_at = ([saver.saves] if saver else []) + ([monitor.measures] if monitor else [])
+        also_at = [saver.saves] if saver else []
+        also_at += [hook.measures for hook in (monitor, harness) if hook]
         logger = hooks.MetricsLogger(
             writer,
             cfg.train.log_every,
@@ -238,12 +245,13 @@ class Trainer:
         )
         # Hooks that add to a step's record (throughput, the monitor) come before the logger writes it.
         timed_monitor = goodput.Timed(monitor, ledger, "eval") if monitor else None
+        timed_harness = goodput.Timed(harness, ledger, "eval") if harness else None
         timed_saver = goodput.Timed(saver, ledger, "checkpoint") if saver else None
         # The ledger is written before a save syncs the logs to a bucket, so the bucket's copy knows
         # how far this attempt ran (the steps a resume on another host recomputes).
         ledger_writer = goodput.LedgerWriter(ledger, logger.wants, saver.saves if saver else lambda end: False)
         run_hooks: list[hooks.Hook] = [
-            h for h in (throughput, timed_monitor, logger, ledger_writer, timed_saver) if h is not None
+            h for h in (throughput, timed_monitor, timed_harness, logger, ledger_writer, timed_saver) if h is not None
         ]
         evaluator = None
         if self.programs.eval is not None:

@@ -1,0 +1,271 @@
+"""An lm-evaluation-harness backend (`model="fbt"`): a trained run scored and decoded in any of the
+three modes of docs/method.md §8, on any of the harness's tasks (docs/evaluation.md).
+
+    import lm_eval, fbt_jax.evals.harness  # importing registers the backend
+    lm_eval.simple_evaluate(model="fbt", model_args="checkpoint=runs/text,mode=soft", tasks=[...])
+
+The harness's three request types, per mode:
+
+- `loglikelihood` (multiple choice, cloze): the continuation's log-probability after its context
+  (`likelihood.py`: standard one plain pass; soft the context read plain, then the continuation
+  fed with latent feedback; fused the context prefilled with the fused passes, then as soft).
+- `loglikelihood_rolling` (perplexity): a document scored in windows of the model's context, each
+  predicting its tokens once after as much earlier text as fits (the harness's own windows), each
+  window as a loglikelihood request in the mode.
+- `generate_until`: the batched generation of `generation.py`, stopped at the request's strings.
+
+A context longer than the model's is cut from the left (as the harness expects; said once).
+Results are handed to the harness's cache as each batch finishes, so an evaluation run with a cache
+(`fbt-eval --harness` keeps one) continues where it was killed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from lm_eval import utils as harness_utils
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+
+from fbt_jax import decode, paths
+from fbt_jax import progress as shown_progress
+from fbt_jax.errors import ConfigError
+from fbt_jax.evals import runner
+from fbt_jax.evals.generation import Generator, Request, Sampling, cut_at_stop
+from fbt_jax.evals.likelihood import Scorer
+
+DEFAULT_BATCH = 32
+DEFAULT_NEW_TOKENS = 256  # the harness's own default for generate_until
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+@dataclasses.dataclass
+class Loaded:
+    """A checkpoint read once, shared by the backends of every mode (and by the training hook)."""
+
+    model: Any
+    config: Any
+    step: int
+    tokenizer: Any
+    generator: Generator  # the parameters on this host's devices: scoring and generation run there
+
+    @classmethod
+    def read(cls, checkpoint: str, log: Callable[[str], None] = _log) -> Loaded:
+        from fbt_jax.trained import load_model_at
+
+        model, config, step = load_model_at(checkpoint, log, flag="checkpoint")
+        return cls.of(model, config, step)
+
+    @classmethod
+    def of(cls, model: Any, config: Any, step: int) -> Loaded:
+        """A model in memory (a training run's, at `step`): refused where it cannot read text."""
+        if config.data.source == "task":
+            raise ConfigError(
+                f"this run trained on the built-in task {config.data.task!r}, which has no text tokenizer; the harness "
+                "scores text: use a run trained on text (data.source=text) or imported with fbt-import"
+            )
+        if jax.process_count() > 1:
+            raise ConfigError("the harness backend runs in one process, on its host's devices; start it in one process")
+        from fbt_jax.data.tokenizers import load_tokenizer
+
+        return cls(model, config, step, load_tokenizer(config.data.tokenizer), Generator(model))
+
+
+def _batch_size(value: Any) -> int:
+    """The harness's batch_size (an int, its text, None or "auto") as rows per batch."""
+    if value in (None, "") or str(value).startswith("auto"):
+        return DEFAULT_BATCH  # no memory probing: a fixed batch (set batch_size to change it)
+    if not str(value).isdigit() or int(value) < 1:
+        raise ConfigError(f"batch_size={value!r} must be a positive integer")
+    return int(value)
+
+
+@register_model("fbt")
+class FBTLM(LM):
+    """A run (`checkpoint`: its workdir or checkpoint directory) in one decoding `mode`."""
+
+    def __init__(
+        self,
+        checkpoint: str = "",
+        mode: str = "standard",
+        batch_size: Any = DEFAULT_BATCH,
+        prefill_passes: int = 2,
+        max_length: int = 0,
+        seed: int = 0,
+        loaded: Loaded | None = None,
+        progress: bool = True,
+        log: Callable[[str], None] = _log,
+        **harness_options: Any,  # max_batch_size, device: JAX places the work on this host's devices
+    ):
+        super().__init__()
+        if mode not in decode.MODES:
+            raise ConfigError(f"mode={mode!r} is not a decoding mode; use one of {', '.join(decode.MODES)}")
+        if int(prefill_passes) < 1:
+            raise ConfigError(f"prefill_passes={prefill_passes} must be at least 1")
+        if loaded is None:
+            if not checkpoint:
+                raise ConfigError("the fbt backend needs model_args checkpoint=RUN (a run's workdir or checkpoints)")
+            loaded = Loaded.read(paths.resolve(str(checkpoint), "checkpoint"), log)
+        runner.check_modes(loaded.config, loaded.step, (mode,))
+        self.loaded, self.mode, self.seed, self.show, self.log = loaded, mode, int(seed), progress, log
+        self.batch = _batch_size(batch_size)
+        self.max_length = int(max_length) or int(loaded.config.data.seq_len)
+        self.tokenizer = loaded.tokenizer
+        self.scorer = Scorer(loaded.generator, self.batch, int(prefill_passes))
+        self.prefill_passes = int(prefill_passes)
+        self.warned: set[str] = set()
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(getattr(self.tokenizer, "name", "fbt"))
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        raise ConfigError("the fbt backend has no chat template (its runs are base models); run without one")
+
+    # --- tokens ----------------------------------------------------------------------------------------
+
+    @property
+    def prefix_id(self) -> int:
+        """What an empty context reads: the beginning-of-document id, else the end-of-document one
+        (documents are separated by it in training, so it is what precedes a document's start)."""
+        bos = getattr(self.tokenizer, "bos_id", None)
+        return self.tokenizer.eos_id if bos is None else bos
+
+    def encode(self, text: str) -> list[int]:
+        return [int(i) for i in self.tokenizer.encode_prompt(text)]
+
+    def pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """(context ids, continuation ids): the context's trailing spaces belong to the continuation,
+        and the continuation's ids are those of the whole text after the context's (the harness's
+        convention, so that a word is tokenised as it is in running text)."""
+        spaces = len(context) - len(context.rstrip(" "))
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        if not context:
+            return [self.prefix_id], self.encode(continuation)
+        whole, head = self.encode(context + continuation), self.encode(context)
+        return head, whole[len(head) :]
+
+    def fit(self, context: list[int], continuation: list[int]) -> tuple[list[int], list[int]]:
+        """Cut the context from the left so that context + continuation − 1 tokens fit the model."""
+        if not continuation:
+            raise ConfigError("a loglikelihood request has an empty continuation; every request must score a token")
+        if len(continuation) > self.max_length:
+            raise ConfigError(
+                f"a continuation of {len(continuation)} tokens does not fit the model's context of {self.max_length} "
+                "tokens; shorten it or raise max_length"
+            )
+        room = self.max_length + 1 - len(continuation)
+        if len(context) > room:
+            self.say_once("truncated", f"some contexts exceed the model's context of {self.max_length} tokens: "
+                                       "they are cut from the left, as the harness expects")  # fmt: skip
+            context = context[-room:]
+        return context, continuation
+
+    def say_once(self, key: str, line: str) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            self.log(f"fbt backend ({self.mode}): {line}")
+
+    # --- the harness's requests -----------------------------------------------------------------------------
+
+    def _score(self, pairs: list[tuple[list[int], list[int]]], what: str, disable: bool) -> list[Any]:
+        with shown_progress.shown(len(pairs), self.show and not disable, desc=f"{what} ({self.mode})") as bar:
+            timing = self.loaded.generator.timing
+
+            def done(requests: int, tokens: int) -> None:
+                bar.update(requests)
+                bar.set_postfix(tokens_per_s=f"{timing.tokens / max(timing.decode_s, 1e-9):,.0f}")
+
+            return self.scorer.score(pairs, self.mode, done)
+
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        pairs = [self.fit(*self.pair(*r.args)) for r in requests]
+        results = [(s.total, s.is_greedy) for s in self._score(pairs, "loglikelihood", disable_tqdm)]
+        for request, result in zip(requests, results):
+            self.cache_hook.add_partial("loglikelihood", request.args, result)
+        return results
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        windows, owners = [], []
+        for i, request in enumerate(requests):
+            tokens = self.encode(request.args[0])
+            rolling = harness_utils.get_rolling_token_windows(tokens, self.prefix_id, self.max_length, 1)
+            for window in map(harness_utils.make_disjoint_window, rolling):
+                windows.append(window)
+                owners.append(i)
+        totals = [0.0] * len(requests)
+        for owner, scored in zip(owners, self._score(windows, "loglikelihood_rolling", disable_tqdm)):
+            totals[owner] += scored.total
+        for request, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+        return totals
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        groups: dict[str, list[int]] = {}
+        for i, request in enumerate(requests):  # requests with the same settings share batches
+            groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(i)
+        out: list[str] = [""] * len(requests)
+        with shown_progress.shown(len(requests), self.show and not disable_tqdm, desc=f"generate ({self.mode})") as bar:
+            for indices in groups.values():
+                settings = requests[indices[0]].args[1]
+                until, new, sampling = self.generation_settings(settings)
+                prompts = [self.fit_prompt(self.encode(requests[i].args[0]), new) for i in indices]
+                order = sorted(range(len(indices)), key=lambda j: -len(prompts[j]))
+                for start in range(0, len(order), self.batch):
+                    chosen = order[start : start + self.batch]
+                    rows = [Request(prompts[j], self.row_seed(requests[indices[j]])) for j in chosen]
+                    ids = self.loaded.generator.generate(rows, self.mode, new, sampling, (self.tokenizer.eos_id,),
+                                                         tuple(until), self.tokenizer.decode)  # fmt: skip
+                    for j, generated in zip(chosen, ids):
+                        request = requests[indices[j]]
+                        out[indices[j]] = cut_at_stop(self.tokenizer.decode(generated), until)
+                        self.cache_hook.add_partial("generate_until", request.args, out[indices[j]])
+                    bar.update(len(chosen))
+        return out
+
+    def generation_settings(self, settings: dict[str, Any]) -> tuple[list[str], int, Sampling]:
+        """(stop strings, new tokens at most, sampling) of a request's generation arguments."""
+        settings = dict(settings)
+        until = settings.pop("until", None) or []
+        until = [until] if isinstance(until, str) else list(until)
+        new = int(settings.pop("max_gen_toks", DEFAULT_NEW_TOKENS))
+        sample = bool(settings.pop("do_sample", False))
+        temperature = float(settings.pop("temperature", 0.0) or 0.0)
+        top_p, top_k = float(settings.pop("top_p", 1.0) or 1.0), int(settings.pop("top_k", 0) or 0)
+        if settings:
+            self.say_once(f"ignored {sorted(settings)}", f"generation arguments {sorted(settings)} are not used")
+        if new >= self.max_length:
+            raise ConfigError(
+                f"max_gen_toks={new} leaves no room for a prompt in the model's context of {self.max_length} tokens; "
+                "lower it (gen_kwargs) or raise max_length"
+            )
+        sampling = Sampling(temperature if sample else 0.0, top_p, top_k, self.prefill_passes)
+        return until, new, sampling
+
+    def fit_prompt(self, prompt: list[int], new: int) -> list[int]:
+        room = self.max_length - new
+        if len(prompt) > room:
+            self.say_once("truncated", f"some prompts exceed the model's context of {self.max_length} tokens less "
+                                       f"{new} new ones: they are cut from the left, as the harness expects")  # fmt: skip
+            prompt = prompt[-room:]
+        return prompt or [self.prefix_id]
+
+    def row_seed(self, request: Any) -> int:
+        """A generation's seed: its task, document and repeat, the same in every mode and batch."""
+        return zlib.crc32(f"{self.seed}/{request.task_name}/{request.doc_id}/{request.idx}".encode())
+
+
+def scored_pairs(lm: FBTLM, pairs: Sequence[tuple[str, str]]) -> list[Any]:
+    """The `likelihood.Scored` tokens of (context, continuation) texts as `lm` reads them (for a
+    check by hand of the harness's accuracy)."""
+    return lm.scorer.score([lm.fit(*lm.pair(c, x)) for c, x in pairs], lm.mode)
