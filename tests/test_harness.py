@@ -134,6 +134,30 @@ def test_context_and_continuation_are_split_as_the_harness_expects_and_long_cont
         lm.fit([1], list(range(lm.max_length + 1)))
 
 
+def test_requests_a_mode_cannot_serve_are_refused_in_one_line(evaluated):
+    lm = evaluated["fused"][1]
+    with pytest.raises(ConfigError, match="leaves no room for a prompt"):
+        lm.generation_settings({"until": ["\n"], "max_gen_toks": lm.max_length})
+    with pytest.raises(ConfigError, match="no chat template"):
+        lm.apply_chat_template([{"role": "user", "content": "hi"}])
+    with pytest.raises(ConfigError, match="empty continuation"):
+        lm.fit([1, 2], [])
+
+
+def test_a_subword_tokenizer_splits_context_and_continuation_on_the_whole_texts_ids(evaluated, bpe_tokenizer_json):
+    from fbt_jax.data.tokenizers import load_tokenizer
+
+    lm = evaluated["standard"][1]
+    lm.tokenizer = load_tokenizer(bpe_tokenizer_json)
+    try:
+        context, continuation = "def add(a, b):\n    return", " a + b"
+        head, tail = lm.pair(context, continuation)
+        assert head == lm.encode(context) and head + tail == lm.encode(context + continuation)
+        assert lm.tokenizer.decode(head + tail) == context + continuation
+    finally:
+        lm.tokenizer = lm.loaded.tokenizer
+
+
 def test_the_training_hook_logged_each_mode_once_the_fusion_trained_and_the_harnesss_final_figures(text_run, evaluated):
     records = {r["step"]: r for r in read_jsonl(text_run)}
     first, last = records[HARNESS_STEPS // 2], records[HARNESS_STEPS]

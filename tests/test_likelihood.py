@@ -6,11 +6,14 @@ over the context followed by that recurrence, and every mode against the decodin
 its requests give alone, on one device or eight (to fp32 rounding: bitwise equality would need
 every device to multiply the same shapes)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import small_model_config
+from flax import nnx
 
 from fbt_jax import decode
 from fbt_jax.evals.generation import Compiled
@@ -27,13 +30,15 @@ def model():
     return build_model(small_model_config(vocab_size=40), seed=3)
 
 
-def requests(seed: int = 0, count: int = 7) -> list[tuple[list[int], list[int]]]:
-    """Contexts of 1–40 tokens, continuations of 1–12: several length buckets in one call."""
+LENGTHS = [(3, 2), (35, 9), (1, 9), (35, 1), (20, 5)]  # (context, continuation): two buckets of each
+
+
+def requests(seed: int = 0, count: int = 5) -> list[tuple[list[int], list[int]]]:
+    """Contexts of 1–35 tokens and continuations of 1–9, random tokens: two length buckets of each in
+    one call (few distinct lengths: each is compiled once by the references below)."""
     rng = np.random.default_rng(seed)
-    return [
-        (rng.integers(0, 40, rng.integers(1, 41)).tolist(), rng.integers(0, 40, rng.integers(1, 13)).tolist())
-        for _ in range(count)
-    ]
+    lengths = [LENGTHS[i % len(LENGTHS)] for i in range(count)]
+    return [(rng.integers(0, 40, c).tolist(), rng.integers(0, 40, x).tolist()) for c, x in lengths]
 
 
 def scores_of(model, h_1TD, whole: list[int], context_len: int) -> np.ndarray:
@@ -46,34 +51,46 @@ def scores_of(model, h_1TD, whole: list[int], context_len: int) -> np.ndarray:
 def reference(model, context: list[int], continuation: list[int], mode: str) -> np.ndarray:
     """The mode's definition, computed without the cache or the batch."""
     whole = [*context, *continuation]
-    tokens = jnp.array([whole[:-1]])
-    if mode == "standard":
-        (h,) = kpass_forward(model, tokens, jnp.ones((1,), jnp.int32), 1)
-    elif mode == "soft":  # plain up to the context's end, fused from the first continuation token on
-        h = sequential_feedback(model, tokens, jnp.array([len(context)]))
-    else:  # the context's inputs from the fused passes, then the recurrence one position at a time
-        e = model.embed(tokens)
-        ctx = jnp.array([context])
-        _, u_ctx = last_pass_inputs(model, model.embed(ctx), jnp.ones((1,), jnp.int32), PASSES,
-                                    default_positions(ctx.shape))  # fmt: skip
-        u = jnp.concatenate([u_ctx, e[:, len(context) :].astype(u_ctx.dtype)], axis=1)
-        positions = default_positions(tokens.shape)
-        for t in range(len(context), len(whole) - 1):
-            h = model.stack(u, positions)
-            u = u.at[:, t].set(model.fusion(e[:, t : t + 1], h[:, t - 1 : t])[:, 0])
-        h = model.stack(u, positions)
+    h = _reference_states(model, jnp.array([whole[:-1]]), len(context), mode)
     return scores_of(model, h, whole, len(context))
 
 
+@functools.partial(nnx.jit, static_argnums=(2, 3))
+def _reference_states(model, tokens, context_len: int, mode: str):
+    """Top states over the request (whole[:-1]) by the mode's definition (one program per length:
+    op-by-op, each new length would compile every op anew)."""
+    context = tokens[:, :context_len]
+    if mode == "standard":
+        (h,) = kpass_forward(model, tokens, jnp.ones((1,), jnp.int32), 1)
+    elif mode == "soft":  # plain up to the context's end, fused from the first continuation token on
+        h = sequential_feedback(model, tokens, jnp.array([context_len]))
+    else:  # the context's inputs from the fused passes, then the recurrence one position at a time
+        e = model.embed(tokens)
+        _, u_ctx = last_pass_inputs(model, model.embed(context), jnp.ones((1,), jnp.int32), PASSES,
+                                    default_positions(context.shape))  # fmt: skip
+        u = jnp.concatenate([u_ctx, e[:, context_len:].astype(u_ctx.dtype)], axis=1)
+        positions = default_positions(tokens.shape)
+        for t in range(context_len, tokens.shape[1]):
+            h = model.stack(u, positions)
+            u = u.at[:, t].set(model.fusion(e[:, t : t + 1], h[:, t - 1 : t])[:, 0])
+        h = model.stack(u, positions)
+    return h
+
+
 def decoded(model, context: list[int], continuation: list[int], mode: str) -> np.ndarray:
-    """The decoding path, teacher-forced: prefill the context, then step each continuation token."""
-    state = decode.prefill(model, jnp.array([context]), jnp.array([len(context)]),
-                           len(context) + len(continuation), mode, PASSES)  # fmt: skip
+    """The decoding path, teacher-forced: prefill the context, then step each continuation token
+    (each call its own compiled program: op by op, every new length would compile every op)."""
+    state = _prefill(model, jnp.array([context]), jnp.array([len(context)]), len(context) + len(continuation), mode)
     out = []
     for token in continuation:
         out.append(float(jax.nn.log_softmax(state.logits_BV[0].astype(jnp.float32))[token]))
-        state = decode.step(model, state, jnp.array([token]), mode)
+        state = _step(model, state, jnp.array([token]), mode)
     return np.array(out)
+
+
+_prefill = nnx.jit(lambda model, prompts, lengths, cache_len, mode: decode.prefill(
+    model, prompts, lengths, cache_len, mode, PASSES), static_argnums=(3, 4))  # fmt: skip
+_step = nnx.jit(decode.step, static_argnums=(3,))
 
 
 @pytest.mark.parametrize("mode", decode.MODES)
