@@ -43,7 +43,8 @@ def documents(task: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def evaluated(text_run):
     """{mode: (the harness's results, a backend on the run in that mode)}, through the harness's API
-    (`model="fbt"`), from the repository root (the tasks' relative data files)."""
+    (soft by name, `model="fbt"`; the others given the backend), from the repository root (the
+    tasks' relative data files)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -53,11 +54,14 @@ def evaluated(text_run):
     os.chdir(ROOT)
     try:
         manager = TaskManager(include_path=HARNESS_TASKS, include_defaults=False)
-        out = {}
+        by_name = lm_eval.simple_evaluate(model="fbt", model_args=f"checkpoint={text_run},mode=soft", tasks=TASKS,
+                                          task_manager=manager, bootstrap_iters=0)  # fmt: skip
+        loaded, out = harness.Loaded.read(text_run), {}  # the other modes share one read of the checkpoint
         for mode in decode.MODES:
-            results = lm_eval.simple_evaluate(model="fbt", model_args=f"checkpoint={text_run},mode={mode}",
-                                              tasks=TASKS, task_manager=manager, bootstrap_iters=0)  # fmt: skip
-            out[mode] = (results, harness.FBTLM(checkpoint=text_run, mode=mode, progress=False))
+            lm = harness.FBTLM(mode=mode, loaded=loaded, progress=False)
+            results = by_name if mode == "soft" else lm_eval.simple_evaluate(
+                model=lm, tasks=TASKS, task_manager=manager, bootstrap_iters=0)  # fmt: skip
+            out[mode] = (results, lm)
     finally:
         os.chdir(here)
     return out

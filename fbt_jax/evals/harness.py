@@ -21,6 +21,7 @@ Results are handed to the harness's cache as each batch finishes, so an evaluati
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import sys
@@ -109,15 +110,15 @@ class FBTLM(LM):
         super().__init__()
         if mode not in decode.MODES:
             raise ConfigError(f"mode={mode!r} is not a decoding mode; use one of {', '.join(decode.MODES)}")
-        if int(prefill_passes) < 1:
-            raise ConfigError(f"prefill_passes={prefill_passes} must be at least 1")
+        if int(prefill_passes) < 1 or int(max_length) < 0:
+            raise ConfigError(f"prefill_passes={prefill_passes} must be at least 1 and max_length={max_length} >= 0")
+        self.batch = _batch_size(batch_size)  # every argument checked before the checkpoint is read
         if loaded is None:
             if not checkpoint:
                 raise ConfigError("the fbt backend needs model_args checkpoint=RUN (a run's workdir or checkpoints)")
             loaded = Loaded.read(paths.resolve(str(checkpoint), "checkpoint"), log)
         runner.check_modes(loaded.config, loaded.step, (mode,))
         self.loaded, self.mode, self.seed, self.show, self.log = loaded, mode, int(seed), progress, log
-        self.batch = _batch_size(batch_size)
         self.max_length = int(max_length) or int(loaded.config.data.seq_len)
         self.tokenizer = loaded.tokenizer
         self.scorer = Scorer(loaded.generator, self.batch, int(prefill_passes))
@@ -178,22 +179,26 @@ class FBTLM(LM):
 
     # --- the harness's requests -----------------------------------------------------------------------------
 
-    def _score(self, pairs: list[tuple[list[int], list[int]]], what: str, disable: bool) -> list[Any]:
+    def _score(self, pairs: list[tuple[list[int], list[int]]], what: str, disable: bool, finished: Callable) -> list:
+        """The pairs scored; `finished(indices, scored)` after each batch (for the harness's cache)."""
         with shown_progress.shown(len(pairs), self.show and not disable, desc=f"{what} ({self.mode})") as bar:
             timing = self.loaded.generator.timing
 
-            def done(requests: int, tokens: int) -> None:
-                bar.update(requests)
+            def done(indices: list[int], scored: list[Any]) -> None:
+                finished(indices, scored)
+                bar.update(len(indices))
                 bar.set_postfix(tokens_per_s=f"{timing.tokens / max(timing.decode_s, 1e-9):,.0f}")
 
             return self.scorer.score(pairs, self.mode, done)
 
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         pairs = [self.fit(*self.pair(*r.args)) for r in requests]
-        results = [(s.total, s.is_greedy) for s in self._score(pairs, "loglikelihood", disable_tqdm)]
-        for request, result in zip(requests, results):
-            self.cache_hook.add_partial("loglikelihood", request.args, result)
-        return results
+
+        def cache(indices: list[int], scored: list[Any]) -> None:  # kept as each batch finishes
+            for i, one in zip(indices, scored):
+                self.cache_hook.add_partial("loglikelihood", requests[i].args, (one.total, one.is_greedy))
+
+        return [(s.total, s.is_greedy) for s in self._score(pairs, "loglikelihood", disable_tqdm, cache)]
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         windows, owners = [], []
@@ -203,11 +208,17 @@ class FBTLM(LM):
             for window in map(harness_utils.make_disjoint_window, rolling):
                 windows.append(window)
                 owners.append(i)
-        totals = [0.0] * len(requests)
-        for owner, scored in zip(owners, self._score(windows, "loglikelihood_rolling", disable_tqdm)):
-            totals[owner] += scored.total
-        for request, total in zip(requests, totals):
-            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+        totals, left = [0.0] * len(requests), collections.Counter(owners)
+
+        def cache(indices: list[int], scored: list[Any]) -> None:  # a document is kept once all its windows are
+            for i, one in zip(indices, scored):
+                owner = owners[i]
+                totals[owner] += one.total
+                left[owner] -= 1
+                if not left[owner]:
+                    self.cache_hook.add_partial("loglikelihood_rolling", requests[owner].args, totals[owner])
+
+        self._score(windows, "loglikelihood_rolling", disable_tqdm, cache)
         return totals
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:

@@ -20,11 +20,9 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
-
 from fbt_jax.data import store
 from fbt_jax.errors import ConfigError
-from fbt_jax.evals import runner
+from fbt_jax.evals import runner, scoring
 
 RESULTS, TABLE = "harness.json", "harness.md"
 RESAMPLES = 1000  # bootstrap draws of the paired differences
@@ -201,10 +199,9 @@ def paired(samples: list[dict], standard: list[dict], metric: str, seed: int = 0
         return {"difference": None, "ci": None, "documents": len(docs)}
     a, b = [ours[d] for d in docs], [theirs[d] for d in docs]
     difference = float(aggregate(a) - aggregate(b))
-    draws = np.random.default_rng(seed).integers(0, len(docs), (RESAMPLES, len(docs)))
+    draws = scoring.resamples(len(docs), seed, RESAMPLES)  # paired: a document's two values drawn together
     values = [float(aggregate([a[i] for i in draw]) - aggregate([b[i] for i in draw])) for draw in draws]
-    low, high = np.percentile(values, [2.5, 97.5])
-    return {"difference": difference, "ci": [min(float(low), difference), max(float(high), difference)],
+    return {"difference": difference, "ci": list(scoring.percentile_interval(values, difference)),
             "documents": len(docs)}  # fmt: skip
 
 

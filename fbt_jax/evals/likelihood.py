@@ -97,10 +97,10 @@ class Scorer:
         self,
         requests: Sequence[tuple[Sequence[int], Sequence[int]]],
         mode: str,
-        done: Callable[[int, int], None] = lambda requests, tokens: None,
+        done: Callable[[list[int], list[Scored]], None] = lambda indices, scored: None,
     ) -> list[Scored]:
         """Each request's continuation scored after its context (at least one token each); `done`
-        is told (requests, scored tokens) after each batch."""
+        is given each batch as it finishes (the requests' indices and their scores)."""
         if mode not in decode.MODES:
             raise ValueError(f"mode {mode!r}: use one of {decode.MODES}")
         # Longest first: a batch's padding stays small, and a batch too large fails at once.
@@ -111,9 +111,10 @@ class Scorer:
         for start in range(0, len(order), rows):
             batch = [requests[i] for i in order[start : start + rows]]
             run = self._plain if mode == "standard" else functools.partial(self._recurrent, mode=mode)
-            for i, scored in zip(order[start : start + rows], run(batch, rows)):
-                out[i] = scored
-            done(len(batch), sum(len(c) for _, c in batch))
+            scored = run(batch, rows)
+            for i, one in zip(order[start : start + rows], scored):
+                out[i] = one
+            done(order[start : start + rows], scored)
         return out
 
     def _plain(self, batch: list[tuple[Sequence[int], Sequence[int]]], rows: int) -> list[Scored]:

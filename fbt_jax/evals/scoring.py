@@ -108,17 +108,25 @@ def wilson(successes: float, trials: int) -> tuple[float, float]:
     return (min(p, max(0.0, low)), max(p, min(1.0, high)))
 
 
-def bootstrap(values: np.ndarray, seed: int = 0, resamples: int = 2000) -> tuple[float, float]:
+def resamples(n: int, seed: int = 0, count: int = 2000) -> np.ndarray:
+    """`count` bootstrap draws of n items' indices (seeded: the same draws for the same n and seed)."""
+    return np.random.default_rng(seed).integers(0, n, (count, n))
+
+
+def percentile_interval(statistics: Any, point: float) -> tuple[float, float]:
+    """The 95% percentile interval of a statistic's bootstrap values, containing its `point` (equal
+    values resample to statistics an ulp off the point)."""
+    low, high = np.percentile(np.asarray(statistics, np.float64), [2.5, 97.5])
+    return (min(float(low), point), max(float(high), point))
+
+
+def bootstrap(values: np.ndarray, seed: int = 0, count: int = 2000) -> tuple[float, float]:
     """95% percentile bootstrap interval of the mean of per-problem values (seeded)."""
     values = np.asarray(values, np.float64)
     if len(values) == 0:
         return (float("nan"), float("nan"))
-    rng = np.random.default_rng(seed)
-    means = values[rng.integers(0, len(values), (resamples, len(values)))].mean(axis=1)
-    low, high = np.percentile(means, [2.5, 97.5])
-    # Equal values resample to means an ulp off their mean: the interval still contains the mean.
-    mean = float(values.mean())
-    return (min(float(low), mean), max(float(high), mean))
+    means = values[resamples(len(values), seed, count)].mean(axis=1)
+    return percentile_interval(means, float(values.mean()))
 
 
 def summarize(
