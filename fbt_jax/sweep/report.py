@@ -69,8 +69,7 @@ def gather(sweep_dir: SweepDirectory, sweep: Sweep, jobs: list[Job], scores: str
             row["wall_seconds"] = wall
             row["goodput"] = sum(t["seconds"]["steps"] for t in times) / wall if wall else 0.0
         if scores:
-            row |= generative_scores(os.path.join(chain[-1].workdir, scores, "scores.json"))
-            row |= harness_scores(os.path.join(chain[-1].workdir, scores, "harness.json"))
+            row |= evaluation_scores(os.path.join(chain[-1].workdir, scores))
         row["mean_num_passes"] = float(np.mean(ks))
         row["curve"] = [(r["step"] * tokens_per_step, r) for r in curve]
         row["overrides"] = run.overrides
@@ -78,28 +77,26 @@ def gather(sweep_dir: SweepDirectory, sweep: Sweep, jobs: list[Job], scores: str
     return rows
 
 
-def generative_scores(path: str) -> dict[str, float]:
-    """`final_<task>/<mode>/pass@k` of a run's generative evaluation (nothing if it has none yet)."""
-    found = read_json(path) or {"tasks": {}}
-    return {
-        f"final_{task}/{mode}/{key}": value
-        for task, per_mode in found["tasks"].items()
-        for mode, row in per_mode.items()
-        for key, value in row.items()
-        if key.startswith("pass@") and not key.endswith("_ci")
-    }
+SCORE_FILES = {  # what `fbt-eval` writes → which of its per-task, per-mode figures the report keeps
+    "scores.json": lambda key: key.startswith("pass@") and not key.endswith("_ci"),  # --tasks: pass@k
+    "harness.json": lambda key: not key.endswith("_stderr") and key != "documents",  # --harness: each metric
+}
 
 
-def harness_scores(path: str) -> dict[str, float]:
-    """`final_<task>/<mode>/<metric>` of a run's `fbt-eval --harness` (nothing if it has none yet)."""
-    found = read_json(path) or {"tasks": {}}
-    return {
-        f"final_{task}/{mode}/{metric}": value
-        for task, per_mode in found["tasks"].items()
-        for mode, cells in per_mode.items()
-        for metric, value in cells.items()
-        if not metric.endswith("_stderr") and metric != "documents" and isinstance(value, (int, float))
-    }
+def evaluation_scores(directory: str) -> dict[str, float]:
+    """`final_<task>/<mode>/<figure>` of a run's `fbt-eval --tasks` or `--harness` output in
+    `directory` (nothing where it has none yet)."""
+    out = {}
+    for name, kept in SCORE_FILES.items():
+        found = read_json(os.path.join(directory, name)) or {"tasks": {}}
+        out |= {
+            f"final_{task}/{mode}/{key}": value
+            for task, per_mode in found["tasks"].items()
+            for mode, row in per_mode.items()
+            for key, value in row.items()
+            if kept(key) and isinstance(value, (int, float))
+        }
+    return out
 
 
 def write_report(sweep_dir: SweepDirectory, sweep: Sweep, jobs: list[Job], scores: str = "") -> dict[str, str]:
