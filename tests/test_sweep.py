@@ -3,6 +3,7 @@ bad specs are one line, a killed sweep resumes to the same numbers without retra
 done, and the report gathers every run (issue #11)."""
 
 import csv
+import glob
 import json
 import os
 import signal
@@ -134,6 +135,36 @@ def test_a_sweep_directory_of_another_spec_is_refused_and_left_alone(tmp_path):
     assert "Traceback" not in result.stderr and open(directory.path("sweep.json")).read() == before
     with pytest.raises(ConfigError, match="of another spec"):
         directory.check_same_spec(other)
+
+
+def test_a_sweep_directory_written_before_config_fields_were_added_is_still_its_spec(tmp_path):
+    """An upgrade that adds config fields (at their defaults) keeps existing sweep directories: one
+    written without eval.harness_num_fewshot continues; the same spec setting that field is another spec."""
+    from fbt_jax.sweep.spec import digest
+
+    def without_new_field(config: dict) -> dict:
+        config = json.loads(json.dumps(config))
+        del config["eval"]["harness_num_fewshot"]
+        return config
+
+    spec = write_spec(tmp_path, extra='"seeds": [0]')
+    sweep = load_sweep(spec)
+    directory = SweepDirectory(str(tmp_path / "dir"), sweep.name)
+    directory.write(sweep, plan(sweep, directory.directory))
+    for path in glob.glob(directory.path("jobs", "*.json")):  # as an fbt-jax without the field wrote them
+        with open(path) as f:
+            old = without_new_field(json.load(f))
+        with open(path, "w") as f:
+            json.dump(old, f)
+    record = json.load(open(directory.path("sweep.json")))
+    record["digest"] = digest([(r.name, without_new_field(json.loads(r.config.to_json_best_effort())))
+                               for r in sweep.runs])  # fmt: skip
+    json.dump(record, open(directory.path("sweep.json"), "w"))
+    assert record["digest"] != sweep.digest
+    directory.check_same_spec(sweep)  # the same spec: the new field is at its default
+    changed = load_sweep(spec, {"eval.harness_num_fewshot": 5})
+    with pytest.raises(ConfigError, match="of another spec"):
+        directory.check_same_spec(changed)
 
 
 def test_print_lists_parents_first_and_slurm_chains_levels(tmp_path):

@@ -113,8 +113,13 @@ def load_sweep(path: str, extra_overrides: dict[str, Any] | None = None) -> Swee
         raise ConfigError(
             f"sweep spec {path}: run names {duplicates} occur twice; give each listed run or value its own label"
         )
-    text = json.dumps([[r.name, json.loads(r.config.to_json_best_effort())] for r in runs], sort_keys=True)
-    return Sweep(name, path, runs, hashlib.blake2b(text.encode(), digest_size=12).hexdigest())
+    return Sweep(name, path, runs, digest([(r.name, json.loads(r.config.to_json_best_effort())) for r in runs]))
+
+
+def digest(configs: list[tuple[str, dict[str, Any]]]) -> str:
+    """The digest of a sweep: every run's name and full config (as JSON)."""
+    text = json.dumps([[name, config] for name, config in configs], sort_keys=True)
+    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
 
 
 def parse_override(text: str) -> tuple[str, Any]:

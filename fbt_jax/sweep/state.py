@@ -13,21 +13,22 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import glob
 import json
 import os
 from typing import Any
 
-from fbt_jax.config import config_from_dict
+from fbt_jax.config import config_from_dict, default_config
 from fbt_jax.errors import ConfigError
 from fbt_jax.sweep.plan import Job, job_record
-from fbt_jax.sweep.spec import Run, Sweep
+from fbt_jax.sweep.spec import Run, Sweep, digest
 
 JOB_FILE = '''"""Written by fbt-sweep: job {name} of sweep {sweep}. Its config is {name}.json beside this file."""
 
 import json
 import pathlib
 
-from fbt_jax.config import config_from_dict
+from fbt_jax.config import config_from_dict, default_config
 
 
 def get_config():
@@ -76,11 +77,30 @@ class SweepDirectory:
 
     def check_same_spec(self, sweep: Sweep) -> None:
         recorded = self.record()
-        if recorded is not None and recorded.get("digest") != sweep.digest:
-            raise ConfigError(
-                f"sweep directory {self.directory} holds sweep {recorded.get('name')!r} of another spec "
-                f"({recorded.get('spec')}); use another --dir, or the spec it was made with (nothing was changed)"
-            )
+        if recorded is None or recorded.get("digest") == sweep.digest or self._written_before_new_fields(sweep):
+            return
+        raise ConfigError(
+            f"sweep directory {self.directory} holds sweep {recorded.get('name')!r} of another spec "
+            f"({recorded.get('spec')}); use another --dir, or the spec it was made with (nothing was changed)"
+        )
+
+    def _written_before_new_fields(self, sweep: Sweep) -> bool:
+        """Whether the directory holds this spec as an earlier fbt-jax wrote it, before config fields
+        were added: its digest is that of these runs' configs on the fields it knew (a recorded job's
+        config has them all), and every field added since is at its default."""
+        recorded_jobs = sorted(glob.glob(self.path("jobs", "*.json")))
+        if not recorded_jobs:
+            return False
+        with open(recorded_jobs[0], encoding="utf-8") as f:
+            known = json.load(f)
+        defaults = json.loads(default_config().to_json_best_effort())
+        restricted = []
+        for run in sweep.runs:
+            kept = _on_known_fields(json.loads(run.config.to_json_best_effort()), known, defaults)
+            if kept is None:
+                return False
+            restricted.append((run.name, kept))
+        return digest(restricted) == self.record().get("digest")
 
     def record(self) -> dict[str, Any] | None:
         path = self.path("sweep.json")
@@ -180,3 +200,21 @@ def _saved_steps(directory: str) -> list[int]:
     if not os.path.isdir(directory):
         return []
     return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
+
+
+def _on_known_fields(values: dict, known: dict, defaults: dict) -> dict | None:
+    """`values` restricted to the fields `known` has (nested), or None where a field it lacks is
+    not at its default (a new field set: another spec)."""
+    out = {}
+    for key, value in values.items():
+        if key not in known:
+            if value != defaults.get(key):
+                return None
+        elif isinstance(value, dict) and isinstance(known[key], dict):
+            inner = _on_known_fields(value, known[key], defaults.get(key) or {})
+            if inner is None:
+                return None
+            out[key] = inner
+        else:
+            out[key] = value
+    return out
