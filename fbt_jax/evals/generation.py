@@ -101,10 +101,14 @@ class Compiled:
         devices = list(devices or jax.local_devices())
         self.mesh = Mesh(np.array(devices), ("data",))
         self.rows = NamedSharding(self.mesh, P("data"))
-        self.graphdef, params = nnx.split(model)
-        self.params = jax.device_put(params, NamedSharding(self.mesh, P()))
         self.compiled: dict[tuple, Any] = {}
         self.timing = Timing()
+        self.load(model)
+
+    def load(self, model: Any) -> None:
+        """Take `model`'s parameters (the same structure: the compiled programs serve them too)."""
+        self.graphdef, params = nnx.split(model)
+        self.params = jax.device_put(params, NamedSharding(self.mesh, P()))
 
     @property
     def num_devices(self) -> int:

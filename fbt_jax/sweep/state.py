@@ -77,20 +77,22 @@ class SweepDirectory:
 
     def check_same_spec(self, sweep: Sweep) -> None:
         recorded = self.record()
-        if recorded is None or recorded.get("digest") == sweep.digest or self._written_before_new_fields(sweep):
+        if recorded is None or recorded.get("digest") == sweep.digest:
+            return
+        if recorded.get("digest") == self._digest_on_known_fields(sweep):  # written before fields were added
             return
         raise ConfigError(
             f"sweep directory {self.directory} holds sweep {recorded.get('name')!r} of another spec "
             f"({recorded.get('spec')}); use another --dir, or the spec it was made with (nothing was changed)"
         )
 
-    def _written_before_new_fields(self, sweep: Sweep) -> bool:
-        """Whether the directory holds this spec as an earlier fbt-jax wrote it, before config fields
-        were added: its digest is that of these runs' configs on the fields it knew (a recorded job's
-        config has them all), and every field added since is at its default."""
+    def _digest_on_known_fields(self, sweep: Sweep) -> str | None:
+        """The digest an earlier fbt-jax, before config fields were added, wrote for this spec: these
+        runs' configs on the fields it knew (a recorded job's config has them all); None where a field
+        added since is not at its default (then it is another spec)."""
         recorded_jobs = sorted(glob.glob(self.path("jobs", "*.json")))
         if not recorded_jobs:
-            return False
+            return None
         with open(recorded_jobs[0], encoding="utf-8") as f:
             known = json.load(f)
         defaults = json.loads(default_config().to_json_best_effort())
@@ -98,9 +100,9 @@ class SweepDirectory:
         for run in sweep.runs:
             kept = _on_known_fields(json.loads(run.config.to_json_best_effort()), known, defaults)
             if kept is None:
-                return False
+                return None
             restricted.append((run.name, kept))
-        return digest(restricted) == self.record().get("digest")
+        return digest(restricted)
 
     def record(self) -> dict[str, Any] | None:
         path = self.path("sweep.json")

@@ -39,6 +39,7 @@ class HarnessEvaluator(Hook):
         self.manager = load_tasks(settings)  # unknown tasks and missing data fail here, before any step
         self.tokenizer = load_tokenizer(config.data.tokenizer)
         self.skipped: set[str] = set()
+        self.generator = None  # this host's copy of the parameters, and the programs compiled for them
 
     def measures(self, end: StepEnd) -> bool:
         """Whether this step is evaluated (the logger writes at these steps too)."""
@@ -58,7 +59,11 @@ class HarnessEvaluator(Hook):
         from fbt_jax.evals.harness_run import metric_names
 
         model = nnx.merge(self.graphdef, state.params)
-        loaded = Loaded(model, self.config, step, self.tokenizer, Generator(model))
+        if self.generator is None:
+            self.generator = Generator(model)
+        else:  # new parameters, the programs compiled at the last evaluation
+            self.generator.load(model)
+        loaded = Loaded(model, self.config, step, self.tokenizer, self.generator)
         s, out = self.settings, {}
         for mode in s.modes:
             try:
