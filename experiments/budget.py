@@ -37,7 +37,7 @@ class Check:
     line: str  # "budget check: …"
     worst: dict[str, Any]  # the arm that moved most: run, change, steps needed
     suggested_steps: int  # the budget the trend points to (the current one when held)
-    advice: str = ""  # what to change instead, where more steps are not the answer
+    advice: str = ""  # said instead of "the trend points to about N steps": what to change, or other units
 
 
 def value_at(curve: Sequence[tuple[int, dict[str, Any]]], metric: str, step: float) -> float:

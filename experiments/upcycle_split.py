@@ -170,7 +170,12 @@ def budget_check(results: list[dict[str, Any]], arms: tuple[str, ...]) -> budget
         for i, r in enumerate(results)
         for arm in arms
     ]
-    return budget.check(phases, (RULE,), "feedback phases")
+    check = budget.check(phases, (RULE,), "feedback phases")
+    # The trend's budget is the phase's; the run that phase ends is four times as long (75% + 25%).
+    phase = check.suggested_steps
+    return dataclasses.replace(
+        check, advice=f"the trend points to a feedback phase of about {phase} steps, a {4 * phase}-step run"
+    )
 
 
 EFFECT = "split − one run, final K=2 loss"
