@@ -244,7 +244,7 @@ def ladder_stability(rungs: Sequence[Rung]) -> tuple[bool, str]:
     values = ", ".join(f"{r.mean:+.3g}" for r in rungs)
     signs = {np.sign(r.mean) for r in rungs}
     if len(signs) > 1 or 0 in signs:
-        return False, f"the effect changes sign over the ladder ({values})"
+        return False, f"the effect {'is zero at a rung' if 0 in signs else 'changes sign'} over the ladder ({values})"
     second, top = rungs[-2], rungs[-1]
     if min(abs(second.mean) / second.se, abs(top.mean) / top.se) <= EFFECT_SE:
         return False, (

@@ -220,14 +220,22 @@ def earlier_rungs(
     return sorted(rungs.values(), key=lambda r: r["steps"])
 
 
-def carried_note(earlier: Sequence[dict[str, Any]]) -> str:
-    """The sentence a block adds when it shows rungs carried by `earlier_rungs` ('' when none)."""
+def carried_note(earlier: Sequence[dict[str, Any]], unjudged: Sequence[int] = ()) -> str:
+    """The sentence a block adds when it shows rungs carried by `earlier_rungs` ('' when none); the
+    rungs (steps) in `unjudged` kept no per-seed values of the effect, so the verdict rule cannot
+    count them: said, with how to measure them again."""
     if not earlier:
         return ""
-    return (
+    note = (
         f" The ladder's rows marked{EARLIER} were measured by an earlier invocation (its runs are not on this disk) "
         "and are carried over from the block it wrote."
     )
+    if unjudged:
+        note += (
+            f" That invocation kept no per-seed values of the effect at {', '.join(map(str, unjudged))} steps, so the "
+            "verdict rule judges the ladder without them; `--ladder` with their multiples of N measures them again."
+        )
+    return note
 
 
 def stdlib_inputs(listing: str, files: str = "*.py") -> str:

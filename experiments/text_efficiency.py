@@ -242,9 +242,9 @@ def measure(
     groups = common.by_label(rows, "run")
     checks = {arm: budget_check(groups, arm, sizes.steps) for arm in sizes.mixtures}
     effects = {arm: saving(groups, arm, sizes.steps) for arm in sizes.mixtures}
-    judged = {
-        arm: budget.judge(EFFECT.replace("75/22/3", MIXTURES[arm][1]), [*earlier.get(arm, []), effects[arm]],
-                          checks[arm], minimum=MINIMUM)
+    judged = {  # a rung measured again replaces its recorded effect
+        arm: budget.judge(EFFECT.replace("75/22/3", MIXTURES[arm][1]), [*(r for r in earlier.get(arm, [])
+                          if r.steps != sizes.steps), effects[arm]], checks[arm], minimum=MINIMUM)
         for arm in sizes.mixtures
     }  # fmt: skip
     answers = {arm: answer(groups, arm, judged[arm]) for arm in sizes.mixtures}
@@ -295,7 +295,7 @@ def main() -> None:
     source = meta["source"]  # the plan's summary: the globs, how many files, how many bytes
     n_tokens = groups[plain_name(1.0)][0]["tokens"]
     minutes = "; ".join(f"N = {r['steps']} steps: {r['minutes']:.0f} min" for r in rungs)
-    carried = common.carried_note(earlier)
+    carried = common.carried_note(earlier, [r["steps"] for r in earlier if str(r["steps"]) not in recorded])
     body = [
         f"Written by `python experiments/{NAME}.py --write-docs docs/results.md`. Machine: {common.machine()}; "
         f"the runs took {minutes} of job time (`fbt-sweep --parallel=2`, two jobs at a time, compiles included); "

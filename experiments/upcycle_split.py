@@ -18,6 +18,7 @@ initialisation starts from, and the first eval where K=2 is below K=1 how fast t
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 import shutil
@@ -51,8 +52,8 @@ class Sizes:
 
 
 FULL = Sizes(
-    steps=2800, seeds=(0, 1, 2), eval_every=25, warmup=25
-)  # a 700-step phase: the 500-step phase left the K=2 loss moving, its trend asked for ~700
+    steps=5600, seeds=(0, 1, 2), eval_every=25, warmup=25
+)  # a 1400-step phase: the 700-step phase (2800 steps) left the K=2 loss moving 2.2%, its trend asked for ~1400
 SMOKE = Sizes(steps=16, seeds=(0,), eval_every=2, warmup=2, extra=(
     "--config.optimizer.warmup_steps=2", "--config.eval.num_batches=1", "--config.train.batch_size=4"),
     arms=("readout",))  # fmt: skip
@@ -124,7 +125,7 @@ def run_seed(sizes: Sizes, root: str, seed: int) -> dict[str, Any]:
     from fbt_jax.interop import exporter, importer
 
     quiet = lambda *a: None  # noqa: E731
-    base = os.path.join(root, f"seed{seed}")
+    base = os.path.join(root, f"{sizes.steps}-steps", f"seed{seed}")  # each budget its own runs
     one = os.path.join(base, "one")
     data_path = common.prepare_stdlib(os.path.join(root, "prepared"), 128)
     base_args = [*TEXT, f"--config.data.path={data_path}", *sizes.extra]
@@ -155,6 +156,13 @@ def run_seed(sizes: Sizes, root: str, seed: int) -> dict[str, Any]:
     return out
 
 
+def job_minutes(root: str, steps: int) -> float:
+    """Every run's wall time at budget `steps`, all attempts, from their goodput ledgers (a rerun
+    that finds the runs finished adds only its few seconds)."""
+    ledgers = glob.glob(os.path.join(root, f"{steps}-steps", "seed*", "*", "goodput.jsonl"))
+    return sum(json.loads(line)["wall_seconds"] for path in ledgers for line in open(path, encoding="utf-8")) / 60
+
+
 def first_below(curve: list[dict[str, Any]]) -> int | None:
     return next((row["step"] for row in curve if row["loss_K2"] < row["loss_K1"]), None)
 
@@ -181,11 +189,12 @@ def budget_check(results: list[dict[str, Any]], arms: tuple[str, ...]) -> budget
 EFFECT = "split − one run, final K=2 loss"
 
 
-def judged(diffs: list[float], steps: int, results: list[dict[str, Any]], arm: str) -> budget.Judgement:
+def judged(rungs: list[budget.Rung], results: list[dict[str, Any]], arm: str) -> budget.Judgement:
     """No cost: the split's final K=2 loss (per seed, against the one run's) lies below the one run's
-    + NO_COST by two standard errors; decided where the compared phase (the `arm` import) settled."""
+    + NO_COST by two standard errors at the top rung; decided where the compared phase (the `arm`
+    import) settled, or over the ladder of `rungs` (the budgets measured before, then this one)."""
     settled = budget_check(results, (arm,))
-    return budget.judge(f"{EFFECT} ({arm} import)", [budget.Rung(steps, tuple(diffs))], settled, at_most=NO_COST)
+    return budget.judge(f"{EFFECT} ({arm} import)", rungs, settled, at_most=NO_COST)
 
 
 def main() -> None:
@@ -240,14 +249,18 @@ def main() -> None:
     common.save_figure(fig, path)
     body = (
         f"Written by `python experiments/{NAME}.py{' --smoke' if args.smoke else ''}` in {timer.minutes():.1f} min "
-        f"on {common.machine()}; seeds {list(sizes.seeds)}, mean ± std.\n\n"
+        f"on {common.machine()} (its runs took {job_minutes(root, sizes.steps):.1f} min of job time, one at a time, over every "
+        f"invocation); seeds {list(sizes.seeds)}, mean ± std.\n\n"
         f"Final held-out loss and accuracy (fully fused from position 1):\n\n{table}\n\n"
         f"Split minus one run, K=2 loss per seed ({first} import): {', '.join(f'{d:+.4f}' for d in diffs)}.\n\n"
         f"The feedback phase's start, per import (held-out, before its first step), and when K=2 overtakes K=1 "
         f"(evals every {sizes.eval_every} steps):\n\n{start}\n\n{common.figure_line(args, path, 'feedback phase after import')}\n"
     )
     check = budget_check(results, sizes.arms)
-    judgement = judged(diffs, sizes.steps, results, first)
+    recorded = summary.load_effects(args, NAME)  # the effect per seed at the budgets measured before
+    rungs = [budget.Rung.from_record(int(n), kept) for n, kept in recorded.items() if int(n) != sizes.steps]
+    rungs.append(budget.Rung(sizes.steps, tuple(diffs)))
+    judgement = judged(rungs, results, first)
     said = judgement.verdict
     body += (
         f"\n{check.line}\n\nverdict (the split costs nothing against one run, {first} import): {said}\n\n"
@@ -257,7 +270,7 @@ def main() -> None:
     figures = f"split − one run, final K=2 loss ({first} import): {common.mean_std(diffs, 4)} nats/byte"
     rule = f"the {first} phase's K=2 loss within 2% over its last 20% of steps (settled); no cost: below +{NO_COST} by 2 SE"
     row = summary.Row(figures, rule, check.held, said, criterion=judgement.criterion, effect=f"{EFFECT} ({first} import)",
-                      effects={str(sizes.steps): [float(d) for d in diffs]})  # fmt: skip
+                      effects={str(r.steps): r.record() for r in rungs})  # fmt: skip
     summary.record(args, NAME, row)
 
 

@@ -218,6 +218,7 @@ def test_the_verdict_rule_judges_the_effect_on_synthetic_ladders():
     for rungs, why in [
         ([rung(6000, 0.3), rung(15000, 0.2), rung(30000, 0.1)], "still moves between the top two rungs"),
         ([rung(6000, 0.1), rung(15000, -0.1), rung(30000, 0.1)], "changes sign"),
+        ([budget.Rung(n, (0.0, 0.0, 0.0)) for n in (1024, 1536, 2560)], "is zero at a rung"),  # no saving at all
         ([rung(6000, 0.3), rung(12000, 0.3)], "no ladder spanning 2.5× (2×)"),
     ]:
         judged = budget.judge("gain", rungs, moving)
