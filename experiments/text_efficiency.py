@@ -309,8 +309,8 @@ def main() -> None:
         "",
         f"Model: `configs/tiny.py`'s (width 64, 2 layers, 4 heads, 2 kv heads, MLP 256), batch {sizes.batch} × 128 "
         f"tokens, learning rate 3e-3 with {sizes.warmup} warmup steps and cosine decay over each run's own steps. "
-        f"Budget ladder: N = {', '.join(str(round(f * base_steps)) for f in LADDER)} steps, climbed until every "
-        f"feedback arm's budget check holds (plain runs at N, 1.5N, 2N on each rung); this invocation measured N = "
+        f"Budget ladder: N = {', '.join(str(round(f * base_steps)) for f in LADDER)} steps, climbed until the "
+        f"verdict rule decides for 75/22/3 (plain runs at N, 1.5N, 2N on each rung); this invocation measured N = "
         f"{', '.join(str(r['steps']) for r in rungs)}. "
         f"Seeds {', '.join(map(str, sizes.seeds))}. Final held-out loss (nats per token) on the first "
         f"{sizes.eval_batches * 32} validation records, fused from position 1 (K=2, 3: fused prefill); "
