@@ -163,6 +163,13 @@ def job_minutes(root: str, steps: int) -> float:
     return sum(json.loads(line)["wall_seconds"] for path in ledgers for line in open(path, encoding="utf-8")) / 60
 
 
+def said_rung(rung: budget.Rung) -> str:
+    """A rung's effect as the block gives it: per seed, or mean ± std where only those were kept."""
+    if rung.values:
+        return ", ".join(f"{v:+.4f}" for v in rung.values)
+    return f"{rung.mean:+.4f} ± {rung.summary[1]:.4f} ({rung.seeds} seeds)"
+
+
 def first_below(curve: list[dict[str, Any]]) -> int | None:
     return next((row["step"] for row in curve if row["loss_K2"] < row["loss_K1"]), None)
 
@@ -262,6 +269,11 @@ def main() -> None:
     rungs.append(budget.Rung(sizes.steps, tuple(diffs)))
     judgement = judged(rungs, results, first)
     said = judgement.verdict
+    if len(rungs) > 1:  # what the rule reads besides this budget's runs
+        body += (
+            f"\nThe same, per seed, at the budgets earlier invocations measured (their runs are not read again; "
+            f"`results/summary.json` keeps them): {'; '.join(f'{r.steps} steps: {said_rung(r)}' for r in rungs[:-1])}.\n"
+        )
     body += (
         f"\n{check.line}\n\nverdict (the split costs nothing against one run, {first} import): {said}\n\n"
         f"{judgement.line}\n"
