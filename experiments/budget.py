@@ -235,6 +235,12 @@ class Judgement:
     line: str  # "verdict rule: ..." naming the criterion that held, or why neither did
 
 
+def ladder(earlier: Sequence[Rung], rung: Rung) -> list[Rung]:
+    """The ladder a verdict reads: the `earlier` rungs (recorded or measured before), but one that
+    `rung` measured again, then `rung`."""
+    return [*(r for r in earlier if r.steps != rung.steps), rung]
+
+
 def ladder_stability(rungs: Sequence[Rung]) -> tuple[bool, str]:
     """Whether the effect is stable over the ladder `rungs` (see above), and why (or why not)."""
     rungs = sorted(rungs, key=lambda r: r.steps)

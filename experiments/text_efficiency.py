@@ -242,9 +242,9 @@ def measure(
     groups = common.by_label(rows, "run")
     checks = {arm: budget_check(groups, arm, sizes.steps) for arm in sizes.mixtures}
     effects = {arm: saving(groups, arm, sizes.steps) for arm in sizes.mixtures}
-    judged = {  # a rung measured again replaces its recorded effect
-        arm: budget.judge(EFFECT.replace("75/22/3", MIXTURES[arm][1]), [*(r for r in earlier.get(arm, [])
-                          if r.steps != sizes.steps), effects[arm]], checks[arm], minimum=MINIMUM)
+    judged = {
+        arm: budget.judge(EFFECT.replace("75/22/3", MIXTURES[arm][1]), budget.ladder(earlier.get(arm, []),
+                          effects[arm]), checks[arm], minimum=MINIMUM)
         for arm in sizes.mixtures
     }  # fmt: skip
     answers = {arm: answer(groups, arm, judged[arm]) for arm in sizes.mixtures}

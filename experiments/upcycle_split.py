@@ -265,8 +265,8 @@ def main() -> None:
     )
     check = budget_check(results, sizes.arms)
     recorded = summary.load_effects(args, NAME)  # the effect per seed at the budgets measured before
-    rungs = [budget.Rung.from_record(int(n), kept) for n, kept in recorded.items() if int(n) != sizes.steps]
-    rungs.append(budget.Rung(sizes.steps, tuple(diffs)))
+    rungs = budget.ladder([budget.Rung.from_record(int(n), kept) for n, kept in recorded.items()],
+                          budget.Rung(sizes.steps, tuple(diffs)))  # fmt: skip
     judgement = judged(rungs, results, first)
     said = judgement.verdict
     if len(rungs) > 1:  # what the rule reads besides this budget's runs
