@@ -35,6 +35,11 @@ class ProcessMismatchError(RuntimeError):
     """Processes of one run disagree on something they must share (e.g. the pass count K)."""
 
 
+class EvaluationFailed(RuntimeError):
+    """An evaluation after training steps failed; the step it evaluated is checkpointed, and the same
+    command run again evaluates that checkpoint (then trains on)."""
+
+
 class Preempted(RuntimeError):
     """The run stopped early on SIGTERM / SIGINT / a preemption notice, after saving a checkpoint."""
 
@@ -53,6 +58,7 @@ EXIT_CODES: tuple[tuple[type[BaseException], int, str], ...] = (
     (FloatingPointError, 3, "training diverged: "),
     (ProcessMismatchError, 4, "processes disagree: "),
     (CheckpointError, 5, "checkpoint error: "),
+    (EvaluationFailed, 7, "evaluation failed: "),
     (Preempted, 75, "preempted: "),  # EX_TEMPFAIL, "try again": the same command resumes
     (KeyboardInterrupt, 130, "interrupted"),
 )

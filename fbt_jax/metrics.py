@@ -1,7 +1,7 @@
 """Metric sinks: JSON lines per stream (`metrics.jsonl` for training, `eval.jsonl` for held-out
-evaluation), one TensorBoard event directory (eval scalars under `eval/`) and, with
-`metrics.wandb=True`, a Weights & Biases run (`pip install 'fbt-jax[wandb]'`; wandb is imported
-only then).
+evaluation), one TensorBoard event directory (eval scalars under `eval/`; finite values only, a
+diverged step's NaN/Inf is in the JSON lines) and, with `metrics.wandb=True`, a Weights & Biases
+run (`pip install 'fbt-jax[wandb]'`; wandb is imported only then).
 
 Only process 0 writes; other processes get a writer that does nothing, so callers need no checks.
 
@@ -25,6 +25,7 @@ as on CPU); metrics.jsonl and TensorBoard keep only the resumed run's.
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 from typing import Any
@@ -100,7 +101,10 @@ class MetricsWriter:
         prefix = "" if stream == "train" else f"{stream}/"
         numbers = {f"{prefix}{k}": v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
         for key, value in numbers.items():
-            self._tb.add_scalar(key, value, int(step))
+            # A diverged step's NaN/Inf stays in the JSON lines; tensorboardX would warn on stderr for
+            # each one, ahead of the run's one-line error (and across its progress bar).
+            if math.isfinite(value):
+                self._tb.add_scalar(key, value, int(step))
         if self._wandb is not None:
             self._wandb.log({WANDB_STEP_KEY: int(step), **numbers})
 
@@ -113,7 +117,7 @@ class MetricsWriter:
             return
         values = {key: _plain(value) for key, value in summary.items()}
         for key, value in values.items():
-            if isinstance(value, (int, float)):
+            if isinstance(value, (int, float)) and math.isfinite(value):
                 self._tb.add_scalar(f"summary/{key}", value, self._last_step)
         if self._wandb is not None:
             self._wandb.summary.update(values)

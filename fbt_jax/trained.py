@@ -56,6 +56,17 @@ def load_model_at(
     return _newest_that_restores(path, flag, restore, log, "loaded")
 
 
+def read_run_config(path: str, flag: str = "--checkpoint") -> tuple[ml_collections.ConfigDict, int]:
+    """(config, step) recorded in a run's newest checkpoint whose record reads, without its arrays:
+    what a command checks its inputs against before it reads the parameters."""
+
+    def restore(manager: ocp.CheckpointManager, step: int) -> tuple[ml_collections.ConfigDict, int]:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        return config_from_dict(meta["config"]), step
+
+    return _newest_that_restores(path, flag, restore, lambda line: None, "read")
+
+
 def load_host_params(path: str, log: Any = print, flag: str = "--checkpoint") -> tuple[dict[tuple, np.ndarray], Any]:
     """The newest parameters of a run that restore, as host (numpy) arrays by parameter path, with
     the run's config: what an export reads, without a device copy of the model beside them."""

@@ -198,7 +198,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
         f"eval.contraction_every_steps={e.contraction_every_steps} is negative; use 0 to monitor at evals only",
     )
     if e.harness_tasks.strip():  # lm-evaluation-harness during training: its fields, one line each
-        from fbt_jax.evals.harness_run import settings_from_config
+        from fbt_jax.evals.harness_tasks import settings_from_config
 
         settings_from_config(config)
     paths.check_config_dirs(config)

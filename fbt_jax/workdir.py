@@ -225,3 +225,18 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
     return out
+
+
+def write_process_info(local_workdir: str, train_rows: list[int]) -> None:
+    """Each process records where it runs and which rows of every batch it loads."""
+    directory = os.path.join(local_workdir, "processes")
+    os.makedirs(directory, exist_ok=True)
+    info = {
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "hostname": socket.gethostname(),
+        "local_devices": [str(d) for d in jax.local_devices()],
+        "train_rows": train_rows,
+    }
+    with open(os.path.join(directory, f"process_{jax.process_index()}.json"), "w", encoding="utf-8") as f:
+        json.dump(info, f, indent=2)

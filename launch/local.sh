@@ -21,7 +21,8 @@
 # Retried: 75 (preempted: the run saved and stopped) and any other failure (a crash, a death by a
 # signal such as an OOM kill). Not retried, the launcher exits with the status at once: the codes
 # fbt-train uses for what a restart cannot fix (fbt_jax/errors.py EXIT_CODES): 2 config or usage
-# error, 3 diverged, 4 processes disagree, 5 checkpoint error, 6 workdir busy, 130 interrupted.
+# error, 3 diverged, 4 processes disagree, 5 checkpoint error, 6 workdir busy, 7 an evaluation after
+# training failed (its step is saved), 130 interrupted.
 # A SIGINT/SIGTERM to the launcher itself (the user stopping it) stops everything, never restarts.
 set -euo pipefail
 
@@ -169,7 +170,7 @@ run_attempt() {
 # The failing process's last non-empty line (after the last carriage return of a progress bar).
 last_line() { tr '\r' '\n' 2>/dev/null < "$logdir/$1.err" | grep -v '^[[:space:]]*$' | tail -n 1 || true; }
 # Whether a failed attempt's status is worth another attempt (see the header).
-retryable() { case "$1" in 2|3|4|5|6|130) return 1 ;; *) return 0 ;; esac; }
+retryable() { case "$1" in 2|3|4|5|6|7|130) return 1 ;; *) return 0 ;; esac; }
 # What an attempt's end means, for the restart line.
 describe_end() {
   local what="status $status" message

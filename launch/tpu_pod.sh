@@ -30,7 +30,7 @@
 # relaunched (on every worker, --setup included) after 75 (preempted: saved and stopped), a lost
 # connection (ssh's 255: a host went away) or any other failure; it stops at once, with that
 # status, after 0 or a status a relaunch cannot fix: 2 config error, 3 diverged, 4 processes
-# disagree, 5 checkpoint error, 6 workdir busy, 130 interrupted.
+# disagree, 5 checkpoint error, 6 workdir busy, 7 evaluation failed (its step saved), 130 interrupted.
 set -euo pipefail
 
 dry_run=0; setup=0
@@ -132,7 +132,7 @@ run_attempt() {
   fi
 }
 # The statuses a relaunch cannot fix (fbt_jax/errors.py EXIT_CODES).
-final_status() { case "$1" in 2|3|4|5|6|130) return 0 ;; *) return 1 ;; esac; }
+final_status() { case "$1" in 2|3|4|5|6|7|130) return 0 ;; *) return 1 ;; esac; }
 backoff() {
   awk -v d="$restart_delay" -v r="$1" -v cap="$max_restart_delay" \
     'BEGIN { if (d > cap) cap = d; x = d * 2 ^ (r - 1); if (x > cap) x = cap; printf "%.10g", x }'

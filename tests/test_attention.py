@@ -15,16 +15,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import small_model_config
+from conftest import load_config, small_model_config
 from flax import nnx
 
 from fbt_jax import decode, sharding
-from fbt_jax.attention import MaskSpec, attend, describe, reference_mask, resolve
+from fbt_jax.attention import MaskSpec, attend, describe, interpret_mode, reference_mask, resolve
 from fbt_jax.attention.cudnn import cudnn_attention
 from fbt_jax.attention.spec import Call, here
 from fbt_jax.errors import ConfigError
 from fbt_jax.feedback import kpass_loss
 from fbt_jax.model import ModelConfig, build_model
+from fbt_jax.train.programs import TrainPrograms
+from fbt_jax.validation import validate_config
 
 # (implementation, sliding window): each kernel with what it claims (the model-level tests take
 # Splash with its window only: without one it is the same kernel with a causal mask, checked above).
@@ -188,3 +190,22 @@ def test_a_trained_run_decodes_here_with_its_implementation_only_where_this_back
     """A run trained with a GPU/TPU kernel is loaded on this CPU with `auto` (never cuDNN's error,
     never a kernel in interpret mode); the reference paths stay as the run asked."""
     assert here(impl, "bfloat16", 0, 64) == expected
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "splash", "auto", "xla"])
+def test_a_pallas_kernel_on_the_cpu_warns_at_start_up_that_it_runs_in_interpret_mode(impl):
+    """configs/tiny.py with a Pallas kernel on this CPU: start-up logs one line saying it is
+    interpreted, why that is slow and what to use instead (the kernels pick interpret mode by the
+    same `interpret_mode`); the reference paths say nothing."""
+    config = load_config("tiny")
+    config.model.attention_impl = impl
+    lines = []
+    TrainPrograms(config, validate_config(config, num_devices=1), jax.devices()[:1], False, log=lines.append)
+    warned = [line for line in lines if "interpret mode" in line]
+    if impl in ("auto", "xla"):
+        assert not warned, lines
+        return
+    assert len(warned) == 1 and warned[0].startswith(f"warning: model.attention_impl={impl} runs "), lines
+    assert "Pallas interpret mode on cpu" in warned[0] and "slower" in warned[0], warned[0]
+    assert "use --config.model.attention_impl=xla" in warned[0] and "\n" not in warned[0], warned[0]
+    assert interpret_mode(impl, "cpu") and not interpret_mode(impl, {"pallas_gpu": "gpu", "splash": "tpu"}[impl])

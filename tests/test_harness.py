@@ -91,7 +91,7 @@ def test_perplexity_is_the_plain_forwards_over_the_harness_windows_in_standard_m
         tokens = lm.encode(doc["text"])
         for start in range(0, len(tokens), length):  # each token predicted once, after all the context that fits
             end = min(start + length, len(tokens))
-            inputs = ([lm.prefix_id] + tokens)[max(0, end - length) : end]
+            inputs = ([lm.prefix_token_id] + tokens)[max(0, end - length) : end]
             (h,) = kpass_forward(model, jnp.array([inputs]), jnp.ones((1,), jnp.int32), 1)
             logp = jax.nn.log_softmax(model.logits(h)[0].astype(jnp.float32))
             targets = tokens[max(0, end - length) : end]
@@ -127,7 +127,7 @@ def _request(prompt: str):
 def test_context_and_continuation_are_split_as_the_harness_expects_and_long_contexts_cut_once(evaluated):
     lm = evaluated["soft"][1]
     assert lm.pair("alpha beta ", "gamma") == (lm.encode("alpha beta"), lm.encode(" gamma"))
-    assert lm.pair("", "gamma") == ([lm.prefix_id], lm.encode("gamma"))
+    assert lm.pair("", "gamma") == ([lm.prefix_token_id], lm.encode("gamma"))
     said = []
     lm.log, lm.warned = said.append, set()
     long = list(range(3 * lm.max_length))
@@ -163,7 +163,7 @@ def test_a_subword_tokenizer_splits_context_and_continuation_on_the_whole_texts_
 
 
 def test_the_training_hook_logged_each_mode_once_the_fusion_trained_and_the_harnesss_final_figures(text_run, evaluated):
-    records = {r["step"]: r for r in read_jsonl(text_run)}
+    records = {r["step"]: r for r in read_jsonl(text_run, "eval.jsonl")}
     first, last = records[HARNESS_STEPS // 2], records[HARNESS_STEPS]
     assert "harness/tiny_mc/acc/standard" in first and "harness/tiny_mc/acc/soft" not in first  # no K>1 step yet
     for mode in decode.MODES:

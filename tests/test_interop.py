@@ -13,20 +13,23 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, tree_snapshot
+from conftest import ROOT, small_model_config, tree_snapshot
+from etils import epath
 from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
+from fbt_jax.data.tokenizers import load_tokenizer
 from fbt_jax.errors import ConfigError
 from fbt_jax.interop import exporter, hf_config, importer, tensors
-from fbt_jax.model import ModelConfig
+from fbt_jax.model import ModelConfig, build_model
 from fbt_jax.trained import load_model
 
 REFERENCE = os.path.join(ROOT, "tests", "interop", "reference")
@@ -127,6 +130,38 @@ def test_a_run_trained_here_exports_as_a_llama(trained_run, tmp_path):
     tokens = np.array([[1, 2, 3, 4, 5, 0, 1, 2, 3]], np.int32)
     ours, theirs = load_model(trained_run, log=quiet)[0], load_model(plain, log=quiet)[0]
     np.testing.assert_allclose(standard_logits(theirs, tokens), standard_logits(ours, tokens), atol=1e-5, rtol=1e-5)
+
+
+def _run_on(tokenizer: str, workdir: str) -> str:
+    """A run whose config trains on `tokenizer`: a random tiny model at step 0, written as fbt-import writes
+    one, but with no Hugging Face config (as trained here). What fbt-export reads, without training it."""
+    cfg = small_model_config(vocab_size=1000)
+    config = importer.run_config(cfg, {}, workdir, 32, tokenizer)
+    config.hf_config = ""
+    importer._write_run(epath.Path(workdir), config, nnx.state(build_model(cfg, seed=0), nnx.Param), None, [])
+    return workdir
+
+
+def test_a_run_on_a_bare_tokenizer_json_exports_the_eos_and_bos_it_trained_with(bpe_tokenizer_json, tmp_path):
+    """A bare tokenizer.json names no end-of-text token; transformers reads eos/bos from tokenizer_config.json,
+    and without one lm-eval's hf backend had eos_token=None (issue #43). The export names our tokenizer's."""
+    from tokenizers import Tokenizer, processors
+
+    with_bos = Tokenizer.from_file(bpe_tokenizer_json)  # the same file, its post-processor adding <s> first
+    with_bos.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", with_bos.token_to_id("<s>"))]
+    )
+    with_bos.save(str(tmp_path / "with_bos.json"))
+    for i, spec in enumerate((bpe_tokenizer_json, str(tmp_path / "with_bos.json"))):
+        out = str(tmp_path / f"hf{i}")
+        exporter.export_run(_run_on(spec, str(tmp_path / f"run{i}")), out, log=quiet)
+        ours, vocab = load_tokenizer(spec), Tokenizer.from_file(spec)
+        written = json.load(open(os.path.join(out, "tokenizer_config.json")))
+        assert written["eos_token"] == vocab.id_to_token(ours.eos_id) == "<|endoftext|>"
+        assert written.get("bos_token") == (None if ours.bos_id is None else vocab.id_to_token(ours.bos_id))
+        assert written["tokenizer_class"] == "PreTrainedTokenizerFast"  # the file's encoding, no class defaults
+        assert load_tokenizer(out).identity == ours.identity  # read back as the same ids
+    assert written["bos_token"] == "<s>"
 
 
 def test_a_sharded_import_reads_each_block_once_into_its_place(imported, tmp_path):
@@ -354,3 +389,38 @@ def test_two_processes_import_the_same_parameters(imported, tmp_path):
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outputs]
     for (path, x), (_, y) in zip(params(imported["llama"]), params(out)):
         assert np.array_equal(x, y), path
+
+
+def test_an_empty_out_directory_is_kept_as_it_is(imported, tmp_path, monkeypatch):
+    """An existing empty OUT (a group-shared 2775 directory) keeps its inode, mode and group, and the files
+    take its group (issue #43); a failed export leaves it empty; a new OUT keeps the setgid bit it is made with."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o2775)
+    if os.geteuid() == 0:  # a group of its own, so that files taking the parent's group would show
+        os.chown(shared, -1, 4242)
+    before = os.stat(shared)
+    rename = os.rename
+
+    def full_disk(src, dst):  # the last file's move fails: those moved before it must go too
+        if str(dst).endswith("config.json"):
+            raise OSError("No space left on device")
+        rename(src, dst)
+
+    with monkeypatch.context() as patch, pytest.raises(OSError, match="No space"):
+        patch.setattr(os, "rename", full_disk)
+        exporter.export_run(imported["llama"], str(shared), log=quiet)
+    assert os.listdir(shared) == [] and os.stat(shared).st_ino == before.st_ino
+    # Sharded: the index is among the files returned, which are what an export to gs:// uploads.
+    files = exporter.export_run(imported["llama"], str(shared), max_shard_size="60KB", log=quiet)
+    after = os.stat(shared)
+    assert (after.st_ino, after.st_mode, after.st_gid) == (before.st_ino, before.st_mode, before.st_gid)
+    assert stat.S_IMODE(after.st_mode) == 0o2775 and {"tokenizer.json", "model.safetensors.index.json"} <= set(files)
+    assert sorted(os.listdir(shared)) == sorted(files)  # and nothing else: the staging directory is gone
+    assert {os.stat(shared / f).st_gid for f in files} == {before.st_gid}
+    exporter.export_run(imported["llama"], str(shared / "new"), log=quiet)
+    assert os.stat(shared / "new").st_mode & stat.S_ISGID and os.stat(shared / "new").st_gid == before.st_gid
+    left = tmp_path / "killed"
+    (left / ".fbt-export-partial-123").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="left by an interrupted fbt-export; remove it"):
+        exporter.check_out(str(left))

@@ -1,10 +1,18 @@
 """The training loop's hooks: the logger stops a diverged run before anything diverged is saved, a
 failed save stops the run with the previous checkpoint intact, SIGINT saves like SIGTERM."""
 
+import fcntl
+import math
 import os
+import pty
+import re
 import resource
+import select
 import signal
+import struct
 import subprocess
+import termios
+import time
 
 import jax
 import numpy as np
@@ -26,13 +34,50 @@ from fbt_jax.errors import PREEMPTED_EXIT_CODE
 from fbt_jax.train.trainer import Trainer
 
 
-def test_divergence_stops_with_a_clear_error(tmp_path):
-    config = run_config(tmp_path, "diverge", schedule="0:2")
-    config.optimizer.learning_rate = 1e38
-    config.optimizer.grad_clip_norm = 0.0
-    with pytest.raises(FloatingPointError, match="(loss nan|gradient norm nan) at step [0-9]+ \\(K=2\\)"):
-        Trainer(config, log=lambda *_: None).train(progress=False)
-    assert os.path.exists(os.path.join(config.workdir, "metrics.jsonl"))
+def run_on_a_terminal(argv: list[str], env: dict[str, str], stdout, timeout: float = 300) -> tuple[int, str]:
+    """Run `argv` with its stderr on a pseudo-terminal (so a progress bar is drawn); its exit code
+    and what it wrote there, line ends as the program wrote them."""
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 160, 0, 0))  # rows, columns
+    proc = start_command(argv, env, stdout=stdout, stderr=follower)
+    os.close(follower)
+    written, deadline = b"", time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if select.select([leader], [], [], 1.0)[0]:
+                try:
+                    chunk = os.read(leader, 65536)
+                except OSError:  # EIO: nothing holds the terminal any more
+                    break
+                if not chunk:
+                    break
+                written += chunk
+            elif proc.poll() is not None:
+                break
+        returncode = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        proc.kill()
+        os.close(leader)
+    return returncode, written.decode(errors="replace").replace("\r\n", "\n")  # the terminal's own \r\n
+
+
+def test_a_diverged_run_leaves_its_one_line_error_alone_on_the_terminal(tmp_path):
+    """fbt-train diverges (exit 3). On a terminal its progress bar is drawn, then cleared: the screen
+    keeps the one-line error only (tensorboardX used to warn about each NaN/Inf on stderr, on the
+    bar's line, which the clearing then missed); metrics.jsonl keeps the diverged step's record."""
+    workdir = str(tmp_path / "diverge")
+    overrides = ["--config.passes.schedule=0:2", "--config.optimizer.learning_rate=1e38"]
+    argv = train_argv(workdir, "--config.train.steps=6", "--config.optimizer.grad_clip_norm=0.0", *overrides)
+    with open(tmp_path / "stdout", "w") as stdout:
+        code, stderr = run_on_a_terminal(argv, cpu_env(), stdout)
+    screen = [line.rsplit("\r", 1)[-1].rstrip() for line in stderr.split("\n")]  # each line as a terminal shows it
+    assert code == 3, stderr[-2000:]
+    assert "/6 [" in stderr, "no progress bar drawn: " + stderr[-2000:]
+    shown = [line for line in screen if line]
+    assert len(shown) == 1 and shown[0].startswith("fbt-train: training diverged: "), stderr[-2000:]
+    assert re.search(r"(loss nan|gradient norm nan) at step [0-9]+ \(K=2\)", shown[0]), shown[0]
+    last = read_jsonl(workdir)[-1]
+    assert not (math.isfinite(last["loss"]) and math.isfinite(last["grad_norm"])), last
 
 
 def test_divergence_stops_before_saving_and_keeps_the_last_finite_checkpoints(tmp_path):

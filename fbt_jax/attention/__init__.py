@@ -16,10 +16,29 @@ import jax
 from fbt_jax.attention.cudnn import cudnn_attention
 from fbt_jax.attention.pallas_gpu import pallas_gpu_attention
 from fbt_jax.attention.reference import dot_product_attention, xla_attention
-from fbt_jax.attention.spec import IMPLS, MaskSpec, call_of, describe, reference_mask, resolve
+from fbt_jax.attention.spec import (
+    IMPLS,
+    MaskSpec,
+    call_of,
+    describe,
+    interpret_mode,
+    interpret_warning,
+    reference_mask,
+    resolve,
+)
 from fbt_jax.attention.splash import splash_attention
 
-__all__ = ["IMPLS", "MaskSpec", "attend", "cached_attention", "describe", "reference_mask", "resolve"]
+__all__ = [
+    "IMPLS",
+    "MaskSpec",
+    "attend",
+    "cached_attention",
+    "describe",
+    "interpret_mode",
+    "interpret_warning",
+    "reference_mask",
+    "resolve",
+]
 
 KERNELS = {"cudnn": cudnn_attention, "pallas_gpu": pallas_gpu_attention, "splash": splash_attention}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fbt_jax.attention.spec import MaskSpec, pad_rows
+from fbt_jax.attention.spec import MaskSpec, interpret_mode, pad_rows
 
 # The kernel's own defaults (forward 128×128, backward 32-blocks); a sequence shorter than a block
 # uses one block of its (power-of-two padded) length. Not yet tuned on a GPU: gpu_check's rows
@@ -57,6 +57,6 @@ def pallas_gpu_attention(
         sm_scale=H**-0.5,
         causal=True,
         block_sizes=blocks,
-        interpret=jax.default_backend() == "cpu",
+        interpret=interpret_mode("pallas_gpu", jax.default_backend()),
     )
     return out_BTNH[:, :T]

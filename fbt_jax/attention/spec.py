@@ -151,6 +151,30 @@ def call_of(q_BTNH: Any, spec: MaskSpec, platform: str | None = None) -> Call:
     )
 
 
+def interpret_mode(impl: str, platform: str) -> bool:
+    """Whether the Pallas kernel `impl` runs in interpret mode on `platform` (cpu | gpu | tpu): its
+    grid run as a loop of small XLA ops, block by block; correct, but many times slower than the
+    reference. Where a kernel compiles natively it is not interpreted (where it is refused, moot)."""
+    if impl == "pallas_gpu":
+        return platform == "cpu"
+    if impl == "splash":
+        return platform != "tpu"
+    return False
+
+
+def interpret_warning(impl: str, platform: str) -> str | None:
+    """The start-up line saying that `model.attention_impl=impl` runs in interpret mode on
+    `platform`, why that is slow and what to use instead; None when it runs natively."""
+    if not interpret_mode(impl, platform):
+        return None
+    kernel = {"pallas_gpu": "GPU kernel (Pallas-Triton)", "splash": "TPU kernel (Splash)"}[impl]
+    return (
+        f"warning: model.attention_impl={impl} runs the {kernel} in Pallas interpret mode on {platform}, its grid "
+        f"a loop of small XLA ops: correct, but many times slower than xla; on {platform} use "
+        "--config.model.attention_impl=xla (or auto)"
+    )
+
+
 def describe(impl: str, platform: str, dtype: str, packed: bool, window: int, head_dim: int) -> str:
     """The start-up line: "attention: pallas_gpu (packed rows: segment ids)"."""
     chosen = resolve(impl, Call(platform, dtype, packed, window, head_dim))

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-from fbt_jax.attention.spec import MaskSpec, pad_rows
+from fbt_jax.attention.spec import MaskSpec, interpret_mode, pad_rows
 
 BLOCK = 512  # MaxText's default Splash block on TPU v5e/v5p
 QUANTUM = 128  # a block is a multiple of the TPU's 128-lane vector width (checked in interpret mode too)
@@ -51,7 +51,7 @@ def padded_length(seq_len: int) -> tuple[int, int]:
 def splash_attention(q_BTNH: jax.Array, k_BTGH: jax.Array, v_BTGH: jax.Array, spec: MaskSpec) -> jax.Array:
     B, T, N, H = q_BTNH.shape
     G = k_BTGH.shape[2]
-    interpret = jax.default_backend() != "tpu"
+    interpret = interpret_mode("splash", jax.default_backend())
     padded, block = padded_length(T)
     q_BTNH, k_BTGH, v_BTGH, segment_ids_BT = pad_rows(padded, q_BTNH, k_BTGH, v_BTGH, spec.segment_ids_BT)
     kernel = _kernel(padded, N // G, spec.window, block, interpret)

@@ -60,7 +60,7 @@ def parser() -> ArgumentParser:
         "--no-sandbox", action="store_true", help="run generated programs without containment (trusted code only)"
     )
     harness = p.add_argument_group("lm-evaluation-harness (also --modes, --batch-size, --prefill-passes, --seed)")
-    harness.add_argument("--harness", default="", help="the harness's task names, comma-separated")
+    harness.add_argument("--harness", default=None, help="the harness's task names, comma-separated")
     harness.add_argument("--harness-include", default="", help="a directory of task YAMLs (the harness's include path)")
     harness.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
     harness.add_argument("--limit", type=int, default=0, help="first N documents per task (0: all)")
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError("--output for --tasks must be a local directory (generations are appended as they come)")
         paths.check_output_dir(output, "--output")
         checkpoint_path = paths.resolve(args.checkpoint, "--checkpoint")
-        if args.harness:
+        if args.harness is not None:  # also when empty: refused there, never the depth evaluation instead
             harness_evaluation(cli, args, checkpoint_path, output)
             return
         if args.tasks:
@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> None:
             if given:
                 raise ConfigError(f"{', '.join(given)} belong(s) to the depth evaluation; drop them with --tasks")
             settings = generative_settings(args)
+            from fbt_jax.evals.runner import check_task_files
+
+            check_task_files(settings)  # before the output is made or the checkpoint read
             if not paths.is_url(output):
                 os.makedirs(output, exist_ok=True)
                 divert_library_noise(os.path.join(output, "fbt-eval.log"))
@@ -113,10 +116,12 @@ def main(argv: list[str] | None = None) -> None:
     print_report(report, output)
 
 
+EVAL_FLAGS = {"tasks": "--harness", "modes": "--modes", "batch_size": "--batch-size", "limit": "--limit",
+              "num_fewshot": "--num-fewshot", "prefill_passes": "--prefill-passes", "include": "--harness-include"}  # fmt: skip
+
+
 def harness_evaluation(cli: ArgumentParser, args: argparse.Namespace, checkpoint: str, output: str) -> None:
     """`--harness`: its flags checked (one line each) before anything loads, then every task in every mode."""
-    from fbt_jax import decode
-
     own = ("harness", "harness_include", "num_fewshot", "limit", "modes", "batch_size", "prefill_passes", "seed",
            "checkpoint", "output")  # fmt: skip
     given = [f"--{k.replace('_', '-')}" for k in vars(args) if k not in own and getattr(args, k) != cli.get_default(k)]
@@ -124,21 +129,15 @@ def harness_evaluation(cli: ArgumentParser, args: argparse.Namespace, checkpoint
         raise ConfigError(f"{', '.join(given)} do(es) not apply to --harness; drop them")
     if paths.is_url(output):
         raise ConfigError("--output for --harness must be a local directory (its cache is written as it goes)")
-    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
-    if not modes or any(m not in decode.MODES for m in modes):
-        raise ConfigError(f"--modes={args.modes!r}: use some of {','.join(decode.MODES)}")
-    if (args.num_fewshot is not None and args.num_fewshot < 0) or args.limit < 0 or args.prefill_passes < 1:
-        raise ConfigError("--num-fewshot and --limit must be >= 0, --prefill-passes >= 1")
-    include = paths.resolve(args.harness_include, "--harness-include") if args.harness_include else ""
-    if include and not os.path.isdir(include):
-        raise ConfigError(f"--harness-include={args.harness_include} is not a directory of task YAMLs")
-    from fbt_jax.evals.harness_run import TABLE, HarnessSettings, evaluate_harness
+    from fbt_jax.evals.harness_tasks import HarnessSettings, names, require_harness
 
-    tasks = tuple(dict.fromkeys(t.strip() for t in args.harness.split(",") if t.strip()))
-    settings = HarnessSettings(tasks, modes, include, args.num_fewshot, args.limit, args.batch_size,
-                               args.prefill_passes, args.seed)  # fmt: skip
-    os.makedirs(output, exist_ok=True)
-    divert_library_noise(os.path.join(output, "fbt-eval.log"))
+    include = paths.resolve(args.harness_include, "--harness-include") if args.harness_include else ""
+    settings = HarnessSettings(names(args.harness), names(args.modes), include, args.num_fewshot, args.limit,
+                               args.batch_size, args.prefill_passes, args.seed)  # fmt: skip
+    settings.check(EVAL_FLAGS)
+    require_harness("fbt-eval --harness")
+    from fbt_jax.evals.harness_run import TABLE, evaluate_harness
+
     evaluate_harness(checkpoint, output, settings)
     with open(os.path.join(output, TABLE), encoding="utf-8") as f:
         print(f.read(), end="")

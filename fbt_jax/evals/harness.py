@@ -22,16 +22,17 @@ Results are handed to the harness's cache as each batch finishes, so an evaluati
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import sys
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 from lm_eval import utils as harness_utils
-from lm_eval.api.model import LM
+from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from fbt_jax import decode, paths
@@ -39,10 +40,11 @@ from fbt_jax import progress as shown_progress
 from fbt_jax.errors import ConfigError
 from fbt_jax.evals import runner
 from fbt_jax.evals.generation import Generator, Request, Sampling, cut_at_stop
+from fbt_jax.evals.harness_tasks import DEFAULT_NEW_TOKENS
 from fbt_jax.evals.likelihood import Scorer
 
 DEFAULT_BATCH = 32
-DEFAULT_NEW_TOKENS = 256  # the harness's own default for generate_until
+HARNESS_OPTIONS = ("max_batch_size", "device")  # what simple_evaluate hands every backend; JAX places the work
 
 
 def _log(line: str) -> None:
@@ -91,8 +93,11 @@ def _batch_size(value: Any) -> int:
 
 
 @register_model("fbt")
-class FBTLM(LM):
-    """A run (`checkpoint`: its workdir or checkpoint directory) in one decoding `mode`."""
+class FBTLM(TemplateLM):
+    """A run (`checkpoint`: its workdir or checkpoint directory) in one decoding `mode`.
+
+    `interrupt`, where given, is called after every batch: it raises to stop the evaluation there
+    (the training hook's stop on SIGTERM)."""
 
     def __init__(
         self,
@@ -105,9 +110,16 @@ class FBTLM(LM):
         loaded: Loaded | None = None,
         progress: bool = True,
         log: Callable[[str], None] = _log,
-        **harness_options: Any,  # max_batch_size, device: JAX places the work on this host's devices
+        interrupt: Callable[[], None] | None = None,
+        **harness_options: Any,
     ):
         super().__init__()
+        unknown = sorted(set(harness_options) - set(HARNESS_OPTIONS))
+        if unknown:  # a misspelt model_args key would otherwise be dropped, and the defaults run silently
+            raise ConfigError(
+                f"unknown model_args {', '.join(map(repr, unknown))} for the fbt backend; it takes checkpoint, mode, "
+                "batch_size, prefill_passes, max_length and seed"
+            )
         if mode not in decode.MODES:
             raise ConfigError(f"mode={mode!r} is not a decoding mode; use one of {', '.join(decode.MODES)}")
         if int(prefill_passes) < 1 or int(max_length) < 0:
@@ -123,6 +135,7 @@ class FBTLM(LM):
         self.tokenizer = loaded.tokenizer
         self.scorer = Scorer(loaded.generator, self.batch, int(prefill_passes))
         self.prefill_passes = int(prefill_passes)
+        self.interrupt = interrupt or (lambda: None)
         self.warned: set[str] = set()
 
     @property
@@ -135,26 +148,40 @@ class FBTLM(LM):
     # --- tokens ----------------------------------------------------------------------------------------
 
     @property
-    def prefix_id(self) -> int:
+    def eot_token_id(self) -> int:
+        return int(self.tokenizer.eos_id)
+
+    @property
+    def prefix_token_id(self) -> int:
         """What an empty context reads: the beginning-of-document id, else the end-of-document one
-        (documents are separated by it in training, so it is what precedes a document's start)."""
+        (documents are separated by it in training, so it is what precedes a document's start), as
+        the harness's `hf` backend chooses."""
         bos = getattr(self.tokenizer, "bos_id", None)
-        return self.tokenizer.eos_id if bos is None else bos
+        return self.eot_token_id if bos is None else int(bos)
 
     def encode(self, text: str) -> list[int]:
         return [int(i) for i in self.tokenizer.encode_prompt(text)]
 
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        """The harness's name for `encode` (a document's start reads as it did in training)."""
+        return self.encode(string)
+
     def pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        """(context ids, continuation ids): the context's trailing spaces belong to the continuation,
-        and the continuation's ids are those of the whole text after the context's (the harness's
-        convention, so that a word is tokenised as it is in running text)."""
-        spaces = len(context) - len(context.rstrip(" "))
-        if spaces:
-            context, continuation = context[:-spaces], context[-spaces:] + continuation
-        if not context:
-            return [self.prefix_id], self.encode(continuation)
-        whole, head = self.encode(context + continuation), self.encode(context)
-        return head, whole[len(head) :]
+        """(context ids, continuation ids) as the harness's own backends split them: its
+        `_encode_pair` (the context's trailing whitespace moves to the continuation, whose ids are
+        those of the whole text after the context's), and for an empty context the rule of its
+        `TemplateLM.loglikelihood` (the prefix id reads first, unless the continuation starts with it)."""
+        if context:
+            return self._encode_pair(context, continuation)
+        ids = self.tok_encode(continuation, add_special_tokens=False)
+        if ids and ids[0] == self.prefix_token_id:
+            return ids[:1], ids[1:]
+        return [self.prefix_token_id], ids
+
+    def _loglikelihood_tokens(self, requests: list[Any], **kwargs: Any) -> list[tuple[float, bool]]:
+        """TemplateLM's abstract scorer, for callers that split the requests themselves."""
+        pairs = [self.fit(context, continuation) for _, context, continuation in requests]
+        return [(s.total, s.is_greedy) for s in self._score(pairs, "loglikelihood", True, lambda *_: None)]
 
     def fit(self, context: list[int], continuation: list[int]) -> tuple[list[int], list[int]]:
         """Cut the context from the left so that context + continuation − 1 tokens fit the model."""
@@ -187,6 +214,7 @@ class FBTLM(LM):
             def done(indices: list[int], scored: list[Any]) -> None:
                 finished(indices, scored)
                 bar.update(len(indices))
+                self.interrupt()
                 bar.set_postfix(tokens_per_s=f"{timing.tokens / max(timing.decode_s, 1e-9):,.0f}")
 
             return self.scorer.score(pairs, self.mode, done)
@@ -204,7 +232,7 @@ class FBTLM(LM):
         windows, owners = [], []
         for i, request in enumerate(requests):
             tokens = self.encode(request.args[0])
-            rolling = harness_utils.get_rolling_token_windows(tokens, self.prefix_id, self.max_length, 1)
+            rolling = harness_utils.get_rolling_token_windows(tokens, self.prefix_token_id, self.max_length, 1)
             for window in map(harness_utils.make_disjoint_window, rolling):
                 windows.append(window)
                 owners.append(i)
@@ -242,6 +270,7 @@ class FBTLM(LM):
                         out[indices[j]] = cut_at_stop(self.tokenizer.decode(generated), until)
                         self.cache_hook.add_partial("generate_until", request.args, out[indices[j]])
                     bar.update(len(chosen))
+                    self.interrupt()
         return out
 
     def generation_settings(self, settings: dict[str, Any]) -> tuple[list[str], int, Sampling]:
@@ -269,7 +298,7 @@ class FBTLM(LM):
             self.say_once("truncated", f"some prompts exceed the model's context of {self.max_length} tokens less "
                                        f"{new} new ones: they are cut from the left, as the harness expects")  # fmt: skip
             prompt = prompt[-room:]
-        return prompt or [self.prefix_id]
+        return prompt or [self.prefix_token_id]
 
     def row_seed(self, request: Any) -> int:
         """A generation's seed: its task, document and repeat, the same in every mode and batch."""
@@ -280,3 +309,30 @@ def scored_pairs(lm: FBTLM, pairs: Sequence[tuple[str, str]]) -> list[Any]:
     """The `likelihood.Scored` tokens of (context, continuation) texts as `lm` reads them (for a
     check by hand of the harness's accuracy)."""
     return lm.scorer.score([lm.fit(*lm.pair(c, x)) for c, x in pairs], lm.mode)
+
+
+@contextlib.contextmanager
+def library_bars_on_terminal_only() -> Iterator[None]:
+    """The harness's own progress bars (building requests, reading its cache, its bootstrap) drawn
+    on a terminal only, as ours are (`progress.py`): in a pipe or a log they are carriage-return
+    frames around the lines that matter. Its bootstrap's "bootstrapping for stddev" line is a plain
+    print and still shows (bootstrap_iters=0 skips it where no interval is needed)."""
+    import lm_eval.api.model as harness_model
+    import lm_eval.api.task as harness_task
+    import tqdm as tqdm_package
+
+    original = tqdm_package.tqdm
+
+    class TerminalOnly(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, disable: bool | None = False, **kwargs: Any):
+            super().__init__(*args, disable=None if disable is False else disable, **kwargs)
+
+    # The bootstrap imports tqdm inside its function, so the package's own name is swapped too.
+    holders = [m for m in (tqdm_package, harness_task, harness_model) if getattr(m, "tqdm", None) is original]
+    for holder in holders:
+        holder.tqdm = TerminalOnly
+    try:
+        yield
+    finally:
+        for holder in holders:
+            holder.tqdm = original

@@ -13,118 +13,57 @@ interval), `harness.md` (the table), `eval.json` (the settings, which a later ru
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import time
 from typing import Any
 
 from fbt_jax.data import store
-from fbt_jax.errors import ConfigError
+from fbt_jax.errors import ConfigError, divert_library_noise
 from fbt_jax.evals import runner, scoring
+from fbt_jax.evals.harness_tasks import HarnessSettings, check_tasks, load_tasks
 
 RESULTS, TABLE = "harness.json", "harness.md"
 RESAMPLES = 1000  # bootstrap draws of the paired differences
 
 
-@dataclasses.dataclass(frozen=True)
-class HarnessSettings:
-    tasks: tuple[str, ...]
-    modes: tuple[str, ...]
-    include: str = ""  # a directory of task YAMLs (the harness's --include_path)
-    num_fewshot: int | None = None  # None: each task's own
-    limit: int = 0  # first N documents per task (0: all)
-    batch_size: int = 32
-    prefill_passes: int = 2
-    seed: int = 0
-
-
-def settings_from_config(config: Any) -> HarnessSettings | None:
-    """The hook's settings from `config.eval` (None where it is off), checked in one line each."""
-    e = config.eval
-    tasks = tuple(t.strip() for t in e.harness_tasks.split(",") if t.strip())
-    if not tasks:
-        return None
-    try:
-        import lm_eval  # noqa: F401
-    except ImportError:
-        raise ConfigError(
-            "--config.eval.harness_tasks needs lm-evaluation-harness: pip install 'fbt-jax[lm-eval]'"
-        ) from None
-    from fbt_jax import decode
-
-    modes = tuple(m.strip() for m in e.harness_modes.split(",") if m.strip())
-    if not modes or any(m not in decode.MODES for m in modes):
-        raise ConfigError(f"--config.eval.harness_modes={e.harness_modes!r}: use some of {','.join(decode.MODES)}")
-    if e.harness_every_steps < 0 or e.harness_limit < 0:
-        raise ConfigError("--config.eval.harness_every_steps and harness_limit must be >= 0 (0: last step; all)")
-    if config.data.source == "task":
-        raise ConfigError("--config.eval.harness_tasks needs a text run (data.source=text): the harness scores text")
-    if e.harness_include and not os.path.isdir(e.harness_include):
-        raise ConfigError(f"--config.eval.harness_include={e.harness_include!r} is not a directory of task YAMLs")
-    fewshot = None if e.harness_num_fewshot < 0 else int(e.harness_num_fewshot)
-    return HarnessSettings(tasks, modes, e.harness_include, fewshot, int(e.harness_limit), int(e.harness_batch_size))
-
-
-def offline() -> None:
-    """Nothing is downloaded: the dataset and hub libraries read their local caches and files only."""
-    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        os.environ[name] = "1"
-
-
-def load_tasks(settings: HarnessSettings) -> Any:
-    """The harness's task manager, once every task is known and its data loads from this machine."""
-    offline()
-    import logging
-
-    logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its notes on defaults; errors still show
-    from lm_eval.tasks import TaskManager, get_task_dict
-
-    manager = None
-    if settings.include:  # tasks all under --harness-include: the harness's own ~200 folders need no index
-        manager = TaskManager(include_path=settings.include, include_defaults=False)
-        manager = manager if set(settings.tasks) <= set(manager.all_tasks) else None
-    manager = manager or TaskManager(include_path=settings.include or None)
-    for name in settings.tasks:
-        if name not in manager.all_tasks:
-            where = f" or under --harness-include={settings.include}" if settings.include else ""
-            raise ConfigError(
-                f"task {name!r} is not one of the harness's tasks{where}; `lm-eval ls tasks` lists them, and a "
-                "directory of task YAMLs is given with --harness-include"
-            )
-        try:
-            get_task_dict([name], manager)
-        except Exception as err:  # noqa: BLE001 - datasets' errors vary by source; each becomes one line
-            raise ConfigError(f"task {name!r}: {missing_data(err)}") from None
-    return manager
-
-
-def missing_data(err: BaseException) -> str:
-    """What a task's data loader said, as the reason its data is not on this machine."""
-    text = " ".join(str(err).split()) or type(err).__name__
-    if isinstance(err, FileNotFoundError) or "Unable to find" in text or "doesn't exist" in text:
-        return (
-            f"its data is not on this machine ({text[:300]}); relative data_files are read from the working "
-            f"directory ({os.getcwd()}): give absolute paths, or run from where they are"
-        )
-    return (
-        f"its data did not load offline ({text[:300]}); point the task at local files (dataset_path: json with "
-        "data_files) or fill the Hugging Face datasets cache once on a machine with a network (docs/evaluation.md)"
-    )
-
-
 def evaluate_harness(checkpoint: str, output: str, settings: HarnessSettings, progress: bool = True) -> dict:
-    """Every task in every mode; writes and returns the table (see the module docstring)."""
-    manager = load_tasks(settings)
-    from fbt_jax.evals.harness import FBTLM, Loaded
+    """Every task in every mode; writes and returns the table (see the module docstring). Everything
+    that can be refused is refused before `output` is written or the checkpoint's parameters are read."""
+    from fbt_jax.trained import read_run_config
+
+    manager, tasks = load_tasks(settings)
+    config, step = read_run_config(checkpoint, flag="--checkpoint")
+    check_tasks(tasks, int(config.data.seq_len), "the run's data.seq_len")
+    runner.check_modes(config, step, settings.modes)
+    identity = json.loads(json.dumps({"checkpoint": checkpoint, "step": step, **dataclasses.asdict(settings)}))
+    created = not os.path.exists(output)
+    claimed = created or not os.path.exists(os.path.join(output, runner.SETTINGS_FILE))
+    runner.claim_output(output, identity)
+    divert_library_noise(os.path.join(output, "fbt-eval.log"))
+    try:
+        return _evaluate(checkpoint, output, settings, manager, progress)
+    except ConfigError:
+        if claimed:  # refused while building requests, before any answer: leave the directory as it was
+            shutil.rmtree(os.path.join(output, "cache"), ignore_errors=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(output, runner.SETTINGS_FILE))
+            with contextlib.suppress(OSError):
+                if created:
+                    os.rmdir(output)  # only where nothing else is in it
+        raise
+
+
+def _evaluate(checkpoint: str, output: str, settings: HarnessSettings, manager: Any, progress: bool) -> dict:
+    from fbt_jax.evals.harness import FBTLM, Loaded, library_bars_on_terminal_only
+    from fbt_jax.train.services import use_run_cache
 
     loaded = Loaded.read(checkpoint)
     runner.check_modes(loaded.config, loaded.step, settings.modes)
-    identity = json.loads(json.dumps({"checkpoint": checkpoint, "step": loaded.step, **dataclasses.asdict(settings)}))
-    runner.claim_output(output, identity)
-    from fbt_jax.train.services import use_run_cache
-
     use_run_cache(loaded.config, checkpoint, lambda line: print(line, file=sys.stderr))
     import lm_eval
 
@@ -133,12 +72,13 @@ def evaluate_harness(checkpoint: str, output: str, settings: HarnessSettings, pr
         lm = FBTLM(mode=mode, batch_size=settings.batch_size, prefill_passes=settings.prefill_passes,
                    seed=settings.seed, loaded=loaded, progress=progress)  # fmt: skip
         before, start = dataclasses.replace(loaded.generator.timing), time.perf_counter()
-        per_mode[mode] = lm_eval.simple_evaluate(
-            model=lm, tasks=list(settings.tasks), task_manager=manager, num_fewshot=settings.num_fewshot,
-            limit=settings.limit or None, use_cache=os.path.join(output, "cache", mode), log_samples=True,
-            bootstrap_iters=RESAMPLES, random_seed=settings.seed, numpy_random_seed=settings.seed,
-            fewshot_random_seed=settings.seed,
-        )  # fmt: skip
+        with library_bars_on_terminal_only():
+            per_mode[mode] = lm_eval.simple_evaluate(
+                model=lm, tasks=list(settings.tasks), task_manager=manager,
+                num_fewshot=settings.num_fewshot, limit=settings.limit or None,
+                use_cache=os.path.join(output, "cache", mode), log_samples=True, bootstrap_iters=RESAMPLES,
+                random_seed=settings.seed, numpy_random_seed=settings.seed, fewshot_random_seed=settings.seed,
+            )  # fmt: skip
         spent = loaded.generator.timing
         timing[mode] = {"seconds": time.perf_counter() - start, "model_seconds": spent.decode_s - before.decode_s,
                         "tokens": spent.tokens - before.tokens}  # fmt: skip

@@ -93,6 +93,15 @@ def check_modes(config: Any, step: int, modes: tuple[str, ...]) -> None:
         )
 
 
+def check_task_files(settings: EvalSettings) -> None:
+    """Each task's spec and problems read once, for their one-line errors before anything is loaded."""
+    for arg in settings.tasks:
+        name_or_spec, _, problems_path = arg.partition("@")
+        if not builtin.is_builtin(name_or_spec):
+            spec = load_spec(name_or_spec)
+            read_problems(spec, problems_path or spec.problems, settings.num_problems)
+
+
 def load_tasks(settings: EvalSettings, config: Any, tokenizer: Any) -> list[Task]:
     """Each task's problems, tokenised and checked against the context, before any decoding."""
     context = settings.context_len or config.data.seq_len

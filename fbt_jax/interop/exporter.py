@@ -8,13 +8,17 @@ model bitwise. A run trained with `model.scale_logits` (a readout scaled by 1/âˆ
 Hugging Face architecture has) is exported with that factor folded into model.norm.weight (equal
 logits up to rounding); the norm as trained is kept in fbt_fusion.safetensors.
 
-The directory is written under a temporary name and renamed at the end: OUT never holds half an
-export. Tensors are converted one at a time and each source array is freed once written, so host
-memory holds the model once plus one file's worth of converted tensors at most.
+A new OUT is written under a temporary name and renamed at the end: OUT never holds half an
+export. An existing empty OUT is kept as it is (its mode, group and setgid bit: a group-shared
+directory stays one): the export is written in a hidden directory inside it and its files then
+move up, config.json last, so an OUT with a config.json holds the whole export; a failed export
+leaves OUT empty. Tensors are converted one at a time and each source array is freed once
+written, so host memory holds the model once plus one file's worth of converted tensors at most.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -25,6 +29,7 @@ import jax
 import numpy as np
 
 from fbt_jax import paths, permissions
+from fbt_jax.data.tokenizers import HuggingFaceTokenizer, Tokenizer, load_tokenizer
 from fbt_jax.errors import ArgumentParser, ConfigError, reported
 from fbt_jax.interop import hf_files, tensors
 from fbt_jax.interop.hf_config import hf_config_from_model
@@ -32,6 +37,7 @@ from fbt_jax.interop.importer import SIDECAR_CONFIG, SIDECAR_WEIGHTS
 from fbt_jax.model import ModelConfig
 
 SIDECAR_FORMAT = 1
+STAGING = ".fbt-export-partial-"  # inside an existing OUT: the export before its files move up
 
 
 def check_out(out: str) -> None:
@@ -42,6 +48,11 @@ def check_out(out: str) -> None:
         if epath.Path(out).exists() and any(epath.Path(out).iterdir()):
             raise ConfigError(f"OUT={out} exists and is not empty; give a new directory (nothing was written)")
         return
+    if os.path.isdir(out) and os.listdir(out) and all(name.startswith(STAGING) for name in os.listdir(out)):
+        raise ConfigError(
+            f"OUT={out} holds {', '.join(sorted(os.listdir(out)))}, left by an interrupted fbt-export; "
+            "remove it and export again (nothing was written)"
+        )
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ConfigError(f"OUT={out} exists and is not an empty directory; give a new directory (nothing was written)")
     paths.check_output_dir(out, "OUT")
@@ -72,7 +83,8 @@ def export_run(run: str, out: str, dtype: str = "", max_shard_size: str = "5GB",
     dtype = dtype or (source or {}).get("dtype") or (source or {}).get("torch_dtype") or "float32"
     if dtype not in hf_files.EXPORT_DTYPES:
         raise ConfigError(f"the run's Hugging Face config asks for dtype {dtype!r}; choose one with --dtype")
-    fresh = {**_token_ids(config), "max_position_embeddings": int(config.data.seq_len)}  # for a run never imported
+    tokenizer = _run_tokenizer(config)
+    fresh = {**_token_ids(tokenizer), "max_position_embeddings": int(config.data.seq_len)}  # for a run never imported
     hf_config = hf_config_from_model(cfg, source, dtype, fresh)  # ConfigError: no counterpart
     folded = cfg.scale_logits
     side = {name: np.asarray(flat.pop(path)) for path, name in tensors.FUSION_NAMES.items() if path in flat}
@@ -95,8 +107,11 @@ def export_run(run: str, out: str, dtype: str = "", max_shard_size: str = "5GB",
             del flat[m.path]  # the last tensor taken from this parameter: free it once written
         return converted
 
-    tmp = f"{out.rstrip('/')}.partial-{os.getpid()}"
+    existing = os.path.isdir(out)  # and empty (checked above)
+    # Staged inside an existing OUT, files take its group (setgid) and move up by a rename on its own filesystem.
+    tmp = os.path.join(out, f"{STAGING}{os.getpid()}") if existing else f"{out.rstrip('/')}.partial-{os.getpid()}"
     os.makedirs(tmp)
+    moved: list[str] = []
     try:
         files = hf_files.write_weights(tmp, tensors.hf_shapes(cfg), dtype, tensor, max_shard_bytes)
         hf_files.save_file(
@@ -112,12 +127,22 @@ def export_run(run: str, out: str, dtype: str = "", max_shard_size: str = "5GB",
         }
         hf_files.write_json(os.path.join(tmp, SIDECAR_CONFIG), sidecar)
         hf_files.write_json(os.path.join(tmp, "config.json"), hf_config)
-        files += ["config.json", SIDECAR_CONFIG, SIDECAR_WEIGHTS, *_copy_tokenizer(config, tmp, log)]
-        permissions.give_umask_modes(tmp)  # safetensors writes its files 0600: a model is handed to others
-        if os.path.isdir(out):
-            os.rmdir(out)  # empty (checked above)
-        os.rename(tmp, out)
+        files += [SIDECAR_CONFIG, SIDECAR_WEIGHTS, *_copy_tokenizer(config, tokenizer, tmp, log), "config.json"]
+        # safetensors writes its files 0600: a model is handed to others. The directory keeps the mode mkdir gave
+        # it (a setgid bit inherited from a group-shared parent included).
+        for name in files:
+            os.chmod(os.path.join(tmp, name), permissions.umask_mode())
+        if existing:
+            for name in files:  # config.json last: a directory with one holds the whole export
+                os.rename(os.path.join(tmp, name), os.path.join(out, name))
+                moved.append(name)
+            os.rmdir(tmp)
+        else:
+            os.rename(tmp, out)
     except BaseException:
+        for name in moved:  # OUT back to empty, as it was given
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(out, name))
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log(f"wrote {out}: {hf_config['architectures'][0]} in {dtype}, {len(files)} files")
@@ -142,31 +167,43 @@ def _shard_bytes(text: str) -> int:
     return size
 
 
-def _token_ids(config: Any) -> dict[str, int | None]:
-    """bos/eos ids of the run's tokenizer, for a config.json written from scratch."""
-    if config.data.source == "task" or config.data.tokenizer == "byte":
-        return {"bos_token_id": None, "eos_token_id": None}
-    from fbt_jax.data.tokenizers import load_tokenizer
+def _run_tokenizer(config: Any) -> Tokenizer | None:
+    """The run's tokenizer; None for a built-in task's ids or the byte tokenizer (no Hugging Face file has them)."""
+    if config.data.source == "task" or config.data.tokenizer in ("byte", ""):
+        return None
+    return load_tokenizer(config.data.tokenizer)
 
-    tokenizer = load_tokenizer(config.data.tokenizer)
+
+def _token_ids(tokenizer: Tokenizer | None) -> dict[str, int | None]:
+    """bos/eos ids of the run's tokenizer, for a config.json written from scratch."""
+    if tokenizer is None:
+        return {"bos_token_id": None, "eos_token_id": None}
     return {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
 
 
-def _copy_tokenizer(config: Any, out: str, log: Any) -> list[str]:
+def _copy_tokenizer(config: Any, tokenizer: Tokenizer | None, out: str, log: Any) -> list[str]:
     """The run's tokenizer files, as a Hugging Face directory holds them."""
     spec = config.data.tokenizer
-    if config.data.source == "task":
-        log("no tokenizer files: the run's tokens are a built-in task's ids")
-        return []
-    if spec == "byte" or not spec:
-        log("no tokenizer files: the run uses the byte tokenizer, which Hugging Face has no file for")
+    if tokenizer is None:
+        log(
+            "no tokenizer files: the run's tokens are a built-in task's ids"
+            if config.data.source == "task"
+            else "no tokenizer files: the run uses the byte tokenizer, which Hugging Face has no file for"
+        )
         return []
     if os.path.isdir(spec):
         names = [f for f in hf_files.TOKENIZER_FILES if os.path.isfile(os.path.join(spec, f))]
-        return list(hf_files.copy_files(spec, names, out))
-    name = "tokenizer.model" if spec.endswith(".model") else "tokenizer.json"
-    shutil.copyfile(spec, os.path.join(out, name))
-    return [name]
+        names = list(hf_files.copy_files(spec, names, out))
+    else:  # named by what it was loaded as: a .json-less tokenizer.json is still one
+        names = ["tokenizer.json" if isinstance(tokenizer, HuggingFaceTokenizer) else "tokenizer.model"]
+        shutil.copyfile(spec, os.path.join(out, names[0]))
+    if isinstance(tokenizer, HuggingFaceTokenizer) and "tokenizer_config.json" not in names:
+        # A bare tokenizer.json names no end-of-text token, and transformers reads eos/bos from this file only:
+        # without it the export loads with eos_token=None, which lm-eval's hf backend fails on (issue #43).
+        config_file = os.path.join(out, "tokenizer_config.json")
+        hf_files.write_json(config_file, hf_files.tokenizer_config(out, tokenizer.eos_id, tokenizer.bos_id))
+        names.append("tokenizer_config.json")
+    return names
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -206,8 +206,8 @@ def write_weights(
     max_shard_bytes: int,
 ) -> list[str]:
     """Write the tensors named in `shapes` as transformers does: model.safetensors, or
-    model-0000i-of-0000n.safetensors with model.safetensors.index.json. `tensor(name)` produces
-    each one when its file is written, so only one file's tensors are ever held here."""
+    model-0000i-of-0000n.safetensors with model.safetensors.index.json; returns the files written.
+    `tensor(name)` produces each one when its file is written, so only one file's tensors are ever held here."""
     itemsize = np.dtype(EXPORT_DTYPES[dtype]).itemsize
     sizes = {name: math.prod(shape) * itemsize for name, shape in shapes.items()}
     plan = shard_plan(sizes, max_shard_bytes)
@@ -227,6 +227,7 @@ def write_weights(
             "weight_map": dict(sorted((name, file) for file, names in zip(files, plan) for name in names)),
         }
         write_json(os.path.join(out_dir, INDEX), index)
+        files.append(INDEX)  # a file written like the shards: it is moved and uploaded with them
     return files
 
 
@@ -234,6 +235,25 @@ def write_json(path: str, record: dict[str, Any]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(record, f, indent=2, sort_keys=True)
         f.write("\n")
+
+
+def tokenizer_config(directory: str, eos_id: int, bos_id: int | None) -> dict[str, Any]:
+    """tokenizer_config.json for the bare tokenizer.json in `directory`, naming the end-of-document (and
+    beginning-of-document) tokens of ids `eos_id` (`bos_id`), which the file itself does not name."""
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
+    config: dict[str, Any] = {
+        # The generic class encodes exactly as the file does; left unnamed, transformers would pick the
+        # architecture's own class, whose defaults may add or rename special tokens.
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": vocab.id_to_token(eos_id),
+        # tokenizers' own decode, which fbt-jax uses, does not clean spaces before punctuation either.
+        "clean_up_tokenization_spaces": False,
+    }
+    if bos_id is not None:
+        config["bos_token"] = vocab.id_to_token(bos_id)
+    return config
 
 
 def copy_files(src_dir: str, names: list[str], out_dir: str) -> Iterator[str]:

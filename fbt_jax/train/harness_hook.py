@@ -1,61 +1,145 @@
 """lm-evaluation-harness tasks during training (off unless `eval.harness_tasks` names some): every
 `eval.harness_every_steps` and at the last step, the current parameters are evaluated in each of
 `eval.harness_modes` through the `fbt` backend (`evals/harness.py`), and each task's metrics are
-added to that step's record as `harness/<task>/<metric>/<mode>`, so that they reach metrics.jsonl,
-TensorBoard and W&B with the step's other figures (the way levanter runs the harness in training).
+written to eval.jsonl as `harness/<task>/<metric>/<mode>` (TensorBoard and W&B get them under
+`eval/`), with `harness/seconds`, the time the evaluation took.
 
-The tasks are checked when the run starts (known to the harness, data on this machine), before any
-step. Soft and fused need a trained fusion: before the first feedback pass of the schedule they
-are skipped, with a line saying so once.
+An evaluation never costs what training made: the step it evaluates is checkpointed first (the
+checkpoint hook saves at these steps too, and the save is waited for), and its metrics line is
+written. What would fail later is refused when the run starts, before anything compiles (`check`:
+the tasks, their data, context room for their generations, modes the schedule trains). An
+evaluation that still fails (a data file removed meanwhile) ends the run with `EvaluationFailed`
+(exit 7, one line), and a SIGTERM during one stops it after the current batch (exit 75). Either
+way the same command run again resumes at that checkpoint, evaluates it, and trains on (after the
+last step: evaluates only). Soft and fused need a trained fusion: before the first feedback pass of
+the schedule they are skipped, with a line saying so once.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import time
 from collections.abc import Callable
 from typing import Any
 
 from flax import nnx
 
-from fbt_jax.errors import ConfigError
+from fbt_jax.errors import ConfigError, EvaluationFailed, Preempted, describe
+from fbt_jax.evals.harness_tasks import HarnessSettings
 from fbt_jax.train.loop import Hook, StepEnd
 from fbt_jax.train.step import TrainState
 
+DONE_KEY = "harness/seconds"  # in every record the hook writes: the evaluation at that step is done
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """The hook's settings and the harness's task manager, once the tasks passed `check`."""
+
+    settings: HarnessSettings
+    manager: Any
+    every_steps: int  # eval.harness_every_steps (0: the last step only)
+
+
+def check(config: Any) -> Checked | None:
+    """What the harness would refuse about this run's tasks, refused now (None where it is off)."""
+    import jax
+
+    from fbt_jax.evals import harness_tasks, runner
+
+    settings = harness_tasks.settings_from_config(config)
+    if settings is None:
+        return None
+    if jax.process_count() > 1:
+        raise ConfigError("--config.eval.harness_tasks runs in one process; evaluate the checkpoints with fbt-eval")
+    manager, tasks = harness_tasks.load_tasks(settings)
+    harness_tasks.check_tasks(tasks, int(config.data.seq_len), "data.seq_len")
+    last = int(config.train.stop_at_step or config.train.steps)
+    try:
+        runner.check_modes(config, last, settings.modes)
+    except ConfigError:
+        raise ConfigError(
+            f"--config.eval.harness_modes={','.join(settings.modes)} asks for soft or fused, but passes.schedule "
+            f"draws no feedback pass (K >= 2) by step {last}, so the fusion never trains; use "
+            "--config.eval.harness_modes=standard, or a schedule with feedback passes"
+        ) from None
+    return Checked(settings, manager, int(config.eval.harness_every_steps))
+
+
+def measures(checked: Checked, end: StepEnd) -> bool:
+    """Whether the hook evaluates after this step (the checkpoint hook saves it first)."""
+    return end.last or bool(checked.every_steps and end.step % checked.every_steps == 0)
+
 
 class HarnessEvaluator(Hook):
-    """Adds the harness's metrics to the step's record (before the logger writes it)."""
+    """Evaluates after the step's checkpoint has landed, and writes its own eval.jsonl record."""
 
     counts_as_training = False
 
-    def __init__(self, config: Any, settings: Any, graphdef: Any, log: Callable[[str], None]):
-        import jax
-
+    def __init__(
+        self,
+        config: Any,
+        checked: Checked,
+        graphdef: Any,
+        writer: Any,
+        saver: Any,
+        stop_requested: Callable[[], bool],
+        log: Callable[[str], None],
+    ):
         from fbt_jax.data.tokenizers import load_tokenizer
-        from fbt_jax.evals.harness_run import load_tasks
 
-        if jax.process_count() > 1:
-            raise ConfigError("--config.eval.harness_tasks runs in one process; evaluate the checkpoints with fbt-eval")
-        self.config, self.settings, self.graphdef, self.log = config, settings, graphdef, log
-        self.every_steps = int(config.eval.harness_every_steps)
-        self.manager = load_tasks(settings)  # unknown tasks and missing data fail here, before any step
+        self.config, self.checked, self.settings, self.manager = config, checked, checked.settings, checked.manager
+        self.graphdef, self.writer, self.saver, self.log = graphdef, writer, saver, log
+        self.stop_requested = stop_requested
         self.tokenizer = load_tokenizer(config.data.tokenizer)
         self.skipped: set[str] = set()
         self.generator = None  # this host's copy of the parameters, and the programs compiled for them
 
-    def measures(self, end: StepEnd) -> bool:
-        """Whether this step is evaluated (the logger writes at these steps too)."""
-        return end.last or bool(self.every_steps and end.step % self.every_steps == 0)
-
     def wants(self, end: StepEnd) -> bool:
-        return self.measures(end)
+        return measures(self.checked, end)
 
     def on_interval(self, end: StepEnd, record: dict[str, float], state: TrainState) -> None:
-        record |= self.evaluate(state, end.step)
+        if self.saver is not None:  # the step's checkpoint is on disk before anything here can fail or be killed
+            self.saver.checkpointer.wait()
+        self.evaluate_and_write(state, end.step)
+
+    def catch_up(self, state: TrainState, step: int, steps: int, eval_log: str) -> None:
+        """A run resumed at a step the hook measures, whose evaluation did not finish (it failed, or
+        was stopped): evaluate it now, before any further step."""
+        if measures(self.checked, StepEnd(step, 0, step >= steps, False)) and not done_at(eval_log, step):
+            self.log(f"harness: step {step} was saved, but its evaluation did not finish before the run stopped")
+            self.evaluate_and_write(state, step)
+
+    def evaluate_and_write(self, state: TrainState, step: int) -> None:
+        self.log(f"harness: evaluating step {step} ({','.join(self.settings.tasks)}; {','.join(self.settings.modes)})")
+        start = time.perf_counter()
+        try:
+            out = self.evaluate(state, step)
+        except (Preempted, KeyboardInterrupt):
+            raise
+        except Exception as err:  # noqa: BLE001 - whatever failed, the run's checkpoint stands; one line
+            raise EvaluationFailed(
+                f"the lm-evaluation-harness evaluation at step {step} failed ({describe(err, 400)}); checkpoint "
+                f"{step} is saved: fix the cause and run the same command again, which evaluates step {step} "
+                "and trains on"
+            ) from err
+        self.writer.write(step, out | {DONE_KEY: time.perf_counter() - start}, stream="eval")
+
+    def interrupt(self) -> None:
+        if self.stop_requested():
+            raise Preempted(
+                "stopped on request during the lm-evaluation-harness evaluation; its step's checkpoint is saved: "
+                "run the same command again to evaluate it and train on"
+            )
 
     def evaluate(self, state: TrainState, step: int) -> dict[str, float]:
         import lm_eval
 
+        from fbt_jax.evals import runner
         from fbt_jax.evals.generation import Generator
-        from fbt_jax.evals.harness import FBTLM, Loaded
+        from fbt_jax.evals.harness import FBTLM, Loaded, library_bars_on_terminal_only
         from fbt_jax.evals.harness_run import metric_names
 
         model = nnx.merge(self.graphdef, state.params)
@@ -67,21 +151,31 @@ class HarnessEvaluator(Hook):
         s, out = self.settings, {}
         for mode in s.modes:
             try:
-                lm = FBTLM(mode=mode, batch_size=s.batch_size, prefill_passes=s.prefill_passes, loaded=loaded,
-                           progress=False, log=self.log)  # fmt: skip
+                runner.check_modes(self.config, step, (mode,))
             except ConfigError:  # the fusion has not trained yet: soft and fused read nothing
                 if mode not in self.skipped:
                     self.skipped.add(mode)
                     self.log(f"harness: {mode} mode waits for the first feedback pass (step {step}: none trained yet)")
                 continue
-            results = lm_eval.simple_evaluate(
-                model=lm, tasks=list(s.tasks), task_manager=self.manager, num_fewshot=s.num_fewshot,
-                limit=s.limit or None, log_samples=False, bootstrap_iters=0, random_seed=s.seed,
-                numpy_random_seed=s.seed, fewshot_random_seed=s.seed,
-            )  # fmt: skip
+            lm = FBTLM(mode=mode, batch_size=s.batch_size, prefill_passes=s.prefill_passes, loaded=loaded,
+                       progress=False, log=self.log, interrupt=self.interrupt)  # fmt: skip
+            with library_bars_on_terminal_only():
+                results = lm_eval.simple_evaluate(
+                    model=lm, tasks=list(s.tasks), task_manager=self.manager, num_fewshot=s.num_fewshot,
+                    limit=s.limit or None, log_samples=False, bootstrap_iters=0, random_seed=s.seed,
+                    numpy_random_seed=s.seed, fewshot_random_seed=s.seed,
+                )  # fmt: skip
             for task, row in results["results"].items():
                 for metric in metric_names(row):
                     value = row.get(f"{metric},none")
                     if isinstance(value, (int, float)):
                         out[f"harness/{task}/{metric}/{mode}"] = float(value)
         return out
+
+
+def done_at(eval_log: str, step: int) -> bool:
+    """Whether eval.jsonl holds the hook's record for `step`."""
+    if not os.path.exists(eval_log):
+        return False
+    with open(eval_log, encoding="utf-8") as f:
+        return any(DONE_KEY in r and r["step"] == step for r in map(json.loads, filter(str.strip, f)))

@@ -120,14 +120,23 @@ class Throughput(Hook):
 
 
 class CheckpointSaver(Hook):
-    """Saves every `checkpoint.every_steps`, at the last step and when a stop is requested (then
-    leaves with `Preempted`); a failed asynchronous save surfaces at the next logging step."""
+    """Saves every `checkpoint.every_steps`, at the last step, at the steps `also_at` names (those an
+    evaluation that may fail acts on) and when a stop is requested (then leaves with `Preempted`); a
+    failed asynchronous save surfaces at the next logging step."""
 
-    def __init__(self, checkpointer: checkpoint.Checkpointer, config: Any, run_dir: workdir.RunDirectory, log: Any):
+    def __init__(
+        self,
+        checkpointer: checkpoint.Checkpointer,
+        config: Any,
+        run_dir: workdir.RunDirectory,
+        log: Any,
+        also_at: Callable[[StepEnd], bool] | None = None,
+    ):
         self.checkpointer, self.config, self.run_dir, self.log = checkpointer, config, run_dir, log
+        self.also_at = also_at or (lambda end: False)
 
     def saves(self, end: StepEnd) -> bool:
-        return self.checkpointer.due(end.step) or end.last or end.stopping
+        return self.checkpointer.due(end.step) or end.last or end.stopping or self.also_at(end)
 
     def wants(self, end: StepEnd) -> bool:
         return self.saves(end) or end.step % self.config.train.log_every == 0

@@ -49,6 +49,9 @@ class TrainPrograms:
         self.log(
             attention.describe(cfg.attention_impl, platform, cfg.compute_dtype, packed, cfg.sliding_window, head_dim)
         )
+        slow = attention.interpret_warning(cfg.attention_impl, platform)  # a Pallas kernel emulated here
+        if slow:
+            self.log(slow)
         self.graphdef = nnx.split(abstract_model(self.model_cfg, self.layout), nnx.Param)[0]
         self.abstract_state = jax.eval_shape(self._initial_state)
         self.state_shardings = self._state_shardings()

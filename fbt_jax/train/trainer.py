@@ -5,9 +5,9 @@ its hooks (`hooks.py`). Thin on purpose: the math is in the pure step functions 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import socket
 import time
 from typing import Any
 
@@ -24,7 +24,7 @@ from fbt_jax.hardware import peak_flops_per_device
 from fbt_jax.metrics import MetricsWriter
 from fbt_jax.model import count_params
 from fbt_jax.schedule import PassSchedule
-from fbt_jax.train import goodput, hooks, services
+from fbt_jax.train import goodput, harness_hook, hooks, services
 from fbt_jax.train.loop import run_steps
 from fbt_jax.train.programs import TrainPrograms
 from fbt_jax.train.step import TrainState, all_finite
@@ -39,6 +39,8 @@ class Trainer:
         self.log = log if jax.process_index() == 0 else (lambda *_: None)
         devices = list(jax.devices() if devices is None else devices)
         self.schedule: PassSchedule = validate_config(config, num_devices=len(devices))
+        # The harness's tasks, their data and what it would refuse, before any data, compile or write.
+        self.harness = harness_hook.check(config)
         self.sources = {"train": make_source(config, "train")}
         e = config.eval
         if e.num_batches > 0 or (e.contraction_passes and e.contraction_every_steps):  # eval or the monitor
@@ -200,7 +202,7 @@ class Trainer:
         ledger = goodput.Ledger(run_dir.local, start_step)  # where this attempt's time goes
         ledger.add("restore", restore_seconds)
         run_dir.write_config(cfg, start_step)
-        self._write_process_info(run_dir.local)
+        workdir.write_process_info(run_dir.local, self.process_rows(cfg.train.batch_size))
         mesh = self.programs.mesh
         self.log(
             f"model: {count_params(self.programs.abstract_state.params):,} parameters; mesh "
@@ -212,19 +214,20 @@ class Trainer:
         compile_report = self.compile(tuple(sorted({self.schedule.num_passes(s) for s in range(start_step, steps)})))
         ledger.add("compile", sum(report["compile_seconds"] for report in compile_report.values()))
         writer = MetricsWriter.for_run(cfg, run_dir.local, resume_step=start_step)
-        saver = hooks.CheckpointSaver(checkpointer, cfg, run_dir, self.log) if checkpointer is not None else None
+        saver = None
+        if checkpointer is not None:  # also at the harness's steps: an evaluation that fails then costs nothing
+            also_at = functools.partial(harness_hook.measures, self.harness) if self.harness else None
+            saver = hooks.CheckpointSaver(checkpointer, cfg, run_dir, self.log, also_at)
         harness = None
-        if cfg.eval.harness_tasks.strip():  # the tasks and their data are checked here, before the first step
-            from fbt_jax.evals.harness_run import settings_from_config
-            from fbt_jax.train.harness_hook import HarnessEvaluator
-
-            harness = HarnessEvaluator(cfg, settings_from_config(cfg), self.programs.graphdef, self.log)
+        if self.harness is not None:  # acts after the saver, once the step's checkpoint has landed
+            harness = harness_hook.HarnessEvaluator(cfg, self.harness, self.programs.graphdef, writer, saver,
+                                                    lambda: preemption.requested, self.log)  # fmt: skip
         monitor = None
         if self.programs.contraction is not None:
             monitor = hooks.ContractionMonitor(self.monitor_contraction, cfg.eval.contraction_every_steps, self.log)
         # The logger also writes at every step that saves (after its finiteness check) or is measured.
         also_at = [saver.saves] if saver else []
-        also_at += [hook.measures for hook in (monitor, harness) if hook]
+        also_at += [monitor.measures] if monitor else []
         logger = hooks.MetricsLogger(
             writer,
             cfg.train.log_every,
@@ -245,18 +248,19 @@ class Trainer:
         )
         # Hooks that add to a step's record (throughput, the monitor) come before the logger writes it.
         timed_monitor = goodput.Timed(monitor, ledger, "eval") if monitor else None
-        timed_harness = goodput.Timed(harness, ledger, "eval") if harness else None
         timed_saver = goodput.Timed(saver, ledger, "checkpoint") if saver else None
         # The ledger is written before a save syncs the logs to a bucket, so the bucket's copy knows
         # how far this attempt ran (the steps a resume on another host recomputes).
         ledger_writer = goodput.LedgerWriter(ledger, logger.wants, saver.saves if saver else lambda end: False)
         run_hooks: list[hooks.Hook] = [
-            h for h in (throughput, timed_monitor, timed_harness, logger, ledger_writer, timed_saver) if h is not None
+            h for h in (throughput, timed_monitor, logger, ledger_writer, timed_saver) if h is not None
         ]
         evaluator = None
         if self.programs.eval is not None:
             evaluator = hooks.Evaluator(self.evaluate, writer, cfg.eval.every_steps, self.log)
             run_hooks.append(goodput.Timed(evaluator, ledger, "eval"))
+        if harness:
+            run_hooks.append(goodput.Timed(harness, ledger, "eval"))
         window = services.parse_profile_steps(cfg.train.profile_steps, cfg.train.steps)
         if window:
             run_hooks.append(hooks.Profiler(window, run_dir.path("profile"), start_step, self.log))
@@ -268,6 +272,9 @@ class Trainer:
         start_time = time.perf_counter()
         failed = True
         try:
+            if harness and self.resumed:  # an evaluation that failed or was stopped, done before any step
+                with ledger.timing("eval"):
+                    harness.catch_up(self.state, start_step, steps, writer.paths["eval"])
             self.state = run_steps(
                 self.state,
                 self.programs.train,
@@ -320,20 +327,6 @@ class Trainer:
                 json.dump(summary, f, indent=2)
             run_dir.sync()
         return summary
-
-    def _write_process_info(self, local_workdir: str) -> None:
-        """Each process records where it runs and which rows of every batch it loads."""
-        directory = os.path.join(local_workdir, "processes")
-        os.makedirs(directory, exist_ok=True)
-        info = {
-            "process_index": jax.process_index(),
-            "process_count": jax.process_count(),
-            "hostname": socket.gethostname(),
-            "local_devices": [str(d) for d in jax.local_devices()],
-            "train_rows": self.process_rows(self.config.train.batch_size),
-        }
-        with open(os.path.join(directory, f"process_{jax.process_index()}.json"), "w", encoding="utf-8") as f:
-            json.dump(info, f, indent=2)
 
 
 def _losses(totals: dict[str, float], num_passes: Any) -> dict[str, float]:
