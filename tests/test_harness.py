@@ -261,3 +261,77 @@ def test_a_standard_task_runs_on_a_local_copy_of_its_data_as_docs_evaluation_md_
     assert result.returncode == 0, result.stderr[-2000:]
     table = json.loads((tmp_path / "out" / "harness.json").read_text())
     assert table["tasks"]["hellaswag_local"]["soft"]["documents"] == 2
+
+
+def fbt_eval(argv: list[str], capsys) -> tuple[int, str]:
+    """`fbt-eval` in this process: (exit code, stderr)."""
+    from fbt_jax.evals.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    return stopped.value.code, capsys.readouterr().err
+
+
+def task_yaml(directory, name: str, base: str, replace: dict[str, str]) -> None:
+    """A copy of tests/harness/`base`.yaml as task `name` in `directory`, its data read from here."""
+    with open(os.path.join(HARNESS_TASKS, f"{base}.yaml"), encoding="utf-8") as f:
+        text = f.read().replace(f"task: {base}", f"task: {name}")
+    text = text.replace(f"tests/harness/{base}.jsonl", os.path.join(HARNESS_TASKS, f"{base}.jsonl"))
+    for old, new in replace.items():
+        text = text.replace(old, new)
+    (directory / f"{name}.yaml").write_text(text)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--harness="], "--harness names no task"),  # was: the depth evaluation ran instead
+        (["--harness=,"], "--harness names no task"),  # was: a traceback after eval.json was written
+        (["--harness=tiny_mc", "--modes=standard,sideways"], "--modes='standard,sideways': use some of"),
+        (["--harness=tiny_long_gen"], "task 'tiny_long_gen' generates up to 40 tokens (its max_gen_toks)"),
+        (["--harness=tiny_mc", "--limit=-1"], "--num-fewshot and --limit must be >= 0"),
+        (["--tasks=nonesuch_task"], "task 'nonesuch_task' is neither a built-in task"),
+        (["--tasks=gsm8k@/nonexistent/gsm8k.jsonl"], "/nonexistent/gsm8k.jsonl"),
+    ],
+)
+def test_fbt_eval_refuses_what_it_can_check_before_making_its_output_or_reading_the_checkpoint(
+    tmp_path, text_run, capsys, flags, message
+):
+    task_yaml(tmp_path, "tiny_long_gen", "tiny_gen", {"max_gen_toks: 8": "max_gen_toks: 40"})  # the context is 32
+    output = tmp_path / "out"
+    code, stderr = fbt_eval([f"--checkpoint={text_run}", f"--harness-include={tmp_path}", f"--output={output}",
+                             *flags], capsys)  # fmt: skip
+    assert code == 2 and message in stderr and stderr.count("\n") == 1, stderr
+    assert not output.exists() and "loaded" not in stderr
+
+
+def test_fbt_eval_harness_without_the_harness_installed_is_one_line(tmp_path, text_run, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` raises ImportError, as where it is absent
+    code, stderr = fbt_eval([f"--checkpoint={text_run}", "--harness=tiny_mc", f"--output={tmp_path}/o"], capsys)
+    assert code == 2 and stderr.count("\n") == 1, stderr
+    assert "fbt-eval --harness needs lm-evaluation-harness, which is not installed here: pip install" in stderr
+
+
+def test_unknown_model_args_are_refused_not_ignored(text_run):
+    from fbt_jax.evals.harness import FBTLM
+
+    options = {"batch_size": None, "max_batch_size": None, "device": None}  # what simple_evaluate adds
+    with pytest.raises(ConfigError, match="unknown model_args 'mdoe' for the fbt backend"):
+        FBTLM.create_from_arg_string(f"checkpoint={text_run},mdoe=soft", {k: v for k, v in options.items() if v})
+    with pytest.raises(ConfigError, match="unknown model_args 'mdoe'"):
+        import lm_eval
+
+        lm_eval.simple_evaluate(model="fbt", model_args=f"checkpoint={text_run},mdoe=soft", tasks=["tiny_mc"])
+
+
+def test_a_refusal_while_building_requests_leaves_no_evaluation_behind(tmp_path, text_run):
+    (tmp_path / "tasks").mkdir()
+    task_yaml(tmp_path / "tasks", "tiny_long_mc", "tiny_mc", {'doc_to_choice: "{{choices}}"': (
+        'doc_to_choice: "{{[choices[0] * 20, choices[1], choices[2]]}}"')})  # fmt: skip
+    argv = ["fbt-eval", f"--checkpoint={text_run}", "--harness=tiny_long_mc", f"--harness-include={tmp_path}/tasks",
+            "--modes=standard", f"--output={tmp_path}/out"]  # fmt: skip
+    result = run_command(argv, cpu_env(1))
+    assert result.returncode == 2 and "does not fit the model's context" in last_line(result.stderr), result.stderr
+    assert not (tmp_path / "out").exists()  # no eval.json or cache/ to refuse the corrected command
