@@ -206,19 +206,24 @@ def test_fbt_eval_harness_killed_and_resumed_writes_the_in_process_numbers(tmp_p
         (["--harness=tiny_mc", "--modes=standard,sideways"], "--modes='standard,sideways': use some of"),
     ],
 )
-def test_fbt_eval_harness_refuses_bad_input_in_one_line(tmp_path, text_run, flags, message):
-    argv = ["fbt-eval", f"--checkpoint={text_run}", f"--harness-include={HARNESS_TASKS}", f"--output={tmp_path}/o"]
-    result = run_command(argv + flags, cpu_env(1))
-    assert result.returncode != 0 and message in last_line(result.stderr), result.stderr[-1500:]
-    assert len(result.stderr.strip().splitlines()) == 1
+def test_fbt_eval_harness_refuses_bad_input_in_one_line(tmp_path, text_run, capsys, flags, message):
+    argv = [f"--checkpoint={text_run}", f"--harness-include={HARNESS_TASKS}", f"--output={tmp_path}/o"]
+    code, stderr = fbt_eval(argv + flags, capsys)
+    assert code == 2 and message in last_line(stderr), stderr[-1500:]
+    assert len(stderr.strip().splitlines()) == 1
 
 
-def test_a_task_whose_data_is_not_here_is_named_with_the_file_it_wanted(tmp_path, text_run):
-    argv = ["fbt-eval", f"--checkpoint={text_run}", "--harness=tiny_mc", f"--harness-include={HARNESS_TASKS}",
-            f"--output={tmp_path}/o"]  # fmt: skip
-    result = run_command(argv, cpu_env(1), cwd=tmp_path)  # relative data files are read from the working directory
-    line = last_line(result.stderr)
-    assert result.returncode != 0 and "task 'tiny_mc': its data is not on this machine" in line, result.stderr
+def test_a_task_whose_data_is_not_here_is_named_with_the_file_it_wanted(tmp_path, text_run, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # relative data files are read from the working directory
+    argv = [
+        f"--checkpoint={text_run}",
+        "--harness=tiny_mc",
+        f"--harness-include={HARNESS_TASKS}",
+        f"--output={tmp_path}/o",
+    ]
+    code, stderr = fbt_eval(argv, capsys)
+    line = last_line(stderr)
+    assert code != 0 and "task 'tiny_mc': its data is not on this machine" in line, stderr
     assert "tests/harness/tiny_mc.jsonl" in line and str(tmp_path) in line
 
 
@@ -326,12 +331,12 @@ def test_unknown_model_args_are_refused_not_ignored(text_run):
         lm_eval.simple_evaluate(model="fbt", model_args=f"checkpoint={text_run},mdoe=soft", tasks=["tiny_mc"])
 
 
-def test_a_refusal_while_building_requests_leaves_no_evaluation_behind(tmp_path, text_run):
+def test_a_refusal_while_building_requests_leaves_no_evaluation_behind(tmp_path, text_run, capsys, monkeypatch):
     (tmp_path / "tasks").mkdir()
     task_yaml(tmp_path / "tasks", "tiny_long_mc", "tiny_mc", {'doc_to_choice: "{{choices}}"': (
         'doc_to_choice: "{{[choices[0] * 20, choices[1], choices[2]]}}"')})  # fmt: skip
-    argv = ["fbt-eval", f"--checkpoint={text_run}", "--harness=tiny_long_mc", f"--harness-include={tmp_path}/tasks",
-            "--modes=standard", f"--output={tmp_path}/out"]  # fmt: skip
-    result = run_command(argv, cpu_env(1))
-    assert result.returncode == 2 and "does not fit the model's context" in last_line(result.stderr), result.stderr
+    monkeypatch.setattr("fbt_jax.evals.harness_run.divert_library_noise", lambda path: None)  # this process's logging
+    code, stderr = fbt_eval([f"--checkpoint={text_run}", "--harness=tiny_long_mc", f"--harness-include={tmp_path}/tasks",
+                             "--modes=standard", f"--output={tmp_path}/out"], capsys)  # fmt: skip
+    assert code == 2 and "does not fit the model's context" in last_line(stderr), stderr
     assert not (tmp_path / "out").exists()  # no eval.json or cache/ to refuse the corrected command
