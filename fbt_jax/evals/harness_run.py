@@ -1,9 +1,11 @@
 """`fbt-eval --harness`: lm-evaluation-harness tasks on one checkpoint in each decoding mode, the
 paper's table (docs/evaluation.md).
 
-The tasks are checked before the checkpoint is read: each must be known to the harness (its own, or
-a YAML under --harness-include) and read data on this machine (nothing is downloaded: the Hugging
-Face libraries run offline). Then, per mode, the harness runs the tasks through the `fbt` backend
+Everything that can be refused is refused before the output is written or the parameters are read
+(`harness_tasks.py`, the training hook's check too): each task known to the harness (its own, or a
+YAML under --harness-include) with its data on this machine (nothing is downloaded: the Hugging
+Face libraries run offline), room in the run's context for its generations, the modes the
+checkpoint can decode. Then, per mode, the harness runs the tasks through the `fbt` backend
 (`harness.py`); every model response goes to a per-mode cache as its batch finishes, so a killed
 evaluation started again with the same flags continues and ends with the numbers of an
 uninterrupted one. Written: `harness.json` (per task and mode, each metric and its standard error,

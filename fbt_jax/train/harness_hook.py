@@ -120,10 +120,14 @@ class HarnessEvaluator(Hook):
         except (Preempted, KeyboardInterrupt):
             raise
         except Exception as err:  # noqa: BLE001 - whatever failed, the run's checkpoint stands; one line
+            saved = (
+                f"checkpoint {step} is saved: fix the cause and run the same command again; it evaluates step {step}, "
+                "then trains the steps left"
+                if self.saver is not None
+                else "nothing was saved (checkpoint.every_steps=0)"
+            )
             raise EvaluationFailed(
-                f"the lm-evaluation-harness evaluation at step {step} failed ({describe(err, 400)}); checkpoint "
-                f"{step} is saved: fix the cause and run the same command again, which evaluates step {step} "
-                "and trains on"
+                f"the lm-evaluation-harness evaluation at step {step} failed ({describe(err, 400)}); {saved}"
             ) from err
         self.writer.write(step, out | {DONE_KEY: time.perf_counter() - start}, stream="eval")
 
@@ -131,7 +135,7 @@ class HarnessEvaluator(Hook):
         if self.stop_requested():
             raise Preempted(
                 "stopped on request during the lm-evaluation-harness evaluation; its step's checkpoint is saved: "
-                "run the same command again to evaluate it and train on"
+                "run the same command again, which evaluates that step, then trains the steps left"
             )
 
     def evaluate(self, state: TrainState, step: int) -> dict[str, float]:

@@ -221,7 +221,7 @@ class Trainer:
         harness = None
         if self.harness is not None:  # acts after the saver, once the step's checkpoint has landed
             harness = harness_hook.HarnessEvaluator(cfg, self.harness, self.programs.graphdef, writer, saver,
-                                                    lambda: preemption.requested, self.log)  # fmt: skip
+                                                    lambda: bool(saver and preemption.requested), self.log)  # fmt: skip
         monitor = None
         if self.programs.contraction is not None:
             monitor = hooks.ContractionMonitor(self.monitor_contraction, cfg.eval.contraction_every_steps, self.log)
