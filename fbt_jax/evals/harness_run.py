@@ -64,8 +64,7 @@ def _evaluate(checkpoint: str, output: str, settings: HarnessSettings, manager: 
     from fbt_jax.evals.harness import FBTLM, Loaded, library_bars_on_terminal_only
     from fbt_jax.train.services import use_run_cache
 
-    loaded = Loaded.read(checkpoint)
-    runner.check_modes(loaded.config, loaded.step, settings.modes)
+    loaded = Loaded.read(checkpoint)  # each mode's backend checks the modes again on the step it read
     use_run_cache(loaded.config, checkpoint, lambda line: print(line, file=sys.stderr))
     import lm_eval
 

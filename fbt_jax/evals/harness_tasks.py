@@ -48,17 +48,17 @@ class HarnessSettings:
             raise ConfigError(f"{flags['modes']}={','.join(self.modes)!r}: use some of {','.join(decode.MODES)}")
         if self.batch_size < 1:
             raise ConfigError(f"{flags['batch_size']}={self.batch_size} must be at least 1 (rows per batch)")
-        if self.num_fewshot is not None and self.num_fewshot < 0 or self.limit < 0:
+        if (self.num_fewshot is not None and self.num_fewshot < 0) or self.limit < 0:
             raise ConfigError(f"{flags['num_fewshot']} and {flags['limit']} must be >= 0")
         if self.prefill_passes < 1:
-            raise ConfigError(f"{flags['prefill_passes']}={self.prefill_passes} must be at least 1")
+            name = flags.get("prefill_passes", "the fused prefill's passes")  # no config field: always 2 there
+            raise ConfigError(f"{name}={self.prefill_passes} must be at least 1")
         if self.include and not os.path.isdir(self.include):
             raise ConfigError(f"{flags['include']}={self.include!r} is not a directory of task YAMLs")
 
 
 CONFIG_FLAGS = {field: f"--config.eval.harness_{field}" for field in ("tasks", "modes", "batch_size", "limit",
                                                                        "num_fewshot", "include")}  # fmt: skip
-CONFIG_FLAGS["prefill_passes"] = "--config.eval.harness_prefill_passes"
 
 
 def require_harness(what: str) -> None:
