@@ -1,12 +1,14 @@
 """What the 1B dry run prints: parameters, per-device bytes, and the compile time and per-device
-memory of every pass count K on the simulated 64-device mesh.
+memory of every program, on the simulated 64-device mesh (the CPU compiler) or, with
+`--topology`, for a TPU slice with the TPU compiler.
 
-    python benchmarks/dry_run_memory.py [--smoke] [--write-docs docs/launch.md]
+    python benchmarks/dry_run_memory.py [--topology=v5e:8x8] [--smoke] [--write-docs docs/launch.md]
 
-Runs `fbt-train --config=configs/fbt_1b.py --config.dry_run=True` (docs/launch.md's command) and
-prints its report, last one JSON line with its wall time and the per-device memory per K.
-`--smoke` runs the tiny config's dry run on 8 simulated devices instead; `--write-docs PATH`
-writes the report into the block of PATH between the markers of this script.
+Runs `fbt-train --config=configs/fbt_1b.py --config.dry_run=True` (docs/launch.md's command; with
+`--config.dry_run_topology=TOPOLOGY` for `--topology`) and prints its report, last one JSON line
+with its wall time and the per-device memory per K. `--smoke` runs the tiny config's dry run on 8
+simulated devices (on v5e:2x2 with `--topology`) instead; `--write-docs PATH` writes the report into
+the block of PATH between the markers of this script (its `--topology=…` variant's with one).
 """
 
 from __future__ import annotations
@@ -25,10 +27,18 @@ import docs_block  # noqa: E402
 
 
 def main() -> None:
-    args = docs_block.arguments(__doc__, "dry_run_memory", "the tiny config on 8 devices: checks that it runs")
+    args = docs_block.arguments(
+        __doc__,
+        "dry_run_memory",
+        "the tiny config on 8 devices: checks that it runs",
+        (("--topology", {"default": "", "help": "compile for this TPU slice with the TPU compiler (libtpu)"}),),
+        variant=lambda a: f"--topology={a.topology}" if a.topology else "",
+    )
     command = ["fbt-train", "--config=configs/fbt_1b.py", "--config.dry_run=True"]
     if args.smoke:
         command = ["fbt-train", "--config=configs/tiny.py", "--config.dry_run=True", "--config.dry_run_devices=8"]
+    if args.topology:  # the TPU compiler for that slice, in place of simulated CPU devices
+        command = [*command[:3], f"--config.dry_run_topology={'v5e:2x2' if args.smoke else args.topology}"]
     start = time.perf_counter()
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -44,8 +54,10 @@ def main() -> None:
         machine = f"Machine: {os.cpu_count()} CPU cores; the dry run took {wall:.0f} s."
         if args.smoke:
             machine += " Smoke run (tiny config): these figures only show that the benchmark runs."
-        body = f"Written by `python benchmarks/dry_run_memory.py{' --smoke' if args.smoke else ''}` (`{' '.join(command)}`). {machine}\n\n```text\n{report}\n```"
-        docs_block.write_block(args.write_docs, "dry_run_memory", body)
+        variant = f" --topology={args.topology}" if args.topology else ""
+        script = f"python benchmarks/dry_run_memory.py{variant}{' --smoke' if args.smoke else ''}"
+        body = f"Written by `{script}` (`{' '.join(command)}`). {machine}\n\n```text\n{report}\n```"
+        docs_block.write_block(args.write_docs, "dry_run_memory", body, variant=variant.strip())
     print(json.dumps({"wall_seconds": wall, **memory}))
 
 

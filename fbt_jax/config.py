@@ -124,6 +124,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.dry_run_devices = 0  # >0: simulate this many CPU devices for the dry run (a pod-sized mesh)
     c.dry_run_hbm_gib = 0.0  # >0: the dry run says whether each K fits this much memory per device
     c.dry_run_chip = ""  # or a known chip whose memory that is (v5e, v5p, v6e, v4, A100, H100, H200, B200)
+    c.dry_run_topology = ""  # compile for this TPU slice or GPU node with its compiler: v5e:8x8, v5p:4x4x4, h100:8
+    c.dry_run_num_slices = 1  # TPU slices of dry_run_topology (multi-slice; the mesh's dcn_* must span them)
 
     c.eval = ml_collections.ConfigDict()
     c.eval.num_passes = (1, 2, 3)

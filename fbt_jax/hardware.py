@@ -11,20 +11,21 @@ from typing import Any
 
 from fbt_jax.errors import ConfigError
 
-# Dense bf16 peak FLOP/s per chip, matched in order against the lowercased `device_kind`.
-PEAK_FLOPS = (
-    ("tpu v6", 918e12),  # v6e (Trillium)
-    ("tpu v5 lite", 197e12),  # v5e
-    ("tpu v5e", 197e12),
-    ("tpu v5", 459e12),  # v5p
-    ("tpu v4", 275e12),
-    ("h200", 989e12),
-    ("h100", 989e12),  # SXM; the PCIe card is lower (756e12): override with train.peak_flops_per_device
-    ("a100", 312e12),
-    ("b200", 2250e12),
+# Per chip, matched in order against the lowercased `device_kind`: the name a user gives
+# (--config.dry_run_chip) and the dense bf16 peak FLOP/s.
+CHIPS = (
+    ("tpu v6", "v6e", 918e12),  # Trillium
+    ("tpu v5 lite", "v5e", 197e12),
+    ("tpu v5e", "v5e", 197e12),
+    ("tpu v5", "v5p", 459e12),
+    ("tpu v4", "v4", 275e12),
+    ("h200", "h200", 989e12),
+    ("h100", "h100", 989e12),  # SXM; the PCIe card is lower (756e12): override with train.peak_flops_per_device
+    ("a100", "a100", 312e12),
+    ("b200", "b200", 2250e12),
 )
 
-# Memory per chip in GiB, by the names a user gives (--config.dry_run_chip).
+# Nominal memory per chip in GiB (a v4 chip's two cores share its 32 GiB).
 CHIP_HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "a100": 80, "h100": 80, "h200": 141, "b200": 192}
 
 
@@ -34,11 +35,17 @@ def chip_hbm_gib(name: str) -> float:
     return float(CHIP_HBM_GIB[name.lower()])
 
 
+def hbm_gib_of_kind(device_kind: str) -> float:
+    """A chip's nominal memory from its `device_kind` ("TPU v5 lite" → 16); 0 where unknown."""
+    kind = device_kind.lower()
+    return float(next((CHIP_HBM_GIB[chip] for name, chip, _ in CHIPS if name in kind), 0))
+
+
 def peak_flops_per_device(device: Any, measure_on_cpu: bool = True) -> tuple[float, str]:
     """(peak FLOP/s of one device, where that figure comes from): the table for a known
     accelerator; on a CPU, a jitted fp32 matmul's rate measured now (best of a few runs)."""
     kind = str(getattr(device, "device_kind", "")).lower()
-    for name, peak in PEAK_FLOPS:
+    for name, _, peak in CHIPS:
         if name in kind:
             return peak, f"{device.device_kind}: {peak / 1e12:g} TFLOP/s dense bf16 (table)"
     if device.platform == "cpu" and measure_on_cpu:

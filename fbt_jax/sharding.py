@@ -88,13 +88,51 @@ def make_mesh(mesh_cfg: ml_collections.ConfigDict, devices: Sequence[Any] | None
     """The device mesh (axis types Auto, so the model's gathers need no explicit shardings)."""
     devices = list(jax.devices() if devices is None else devices)
     ici, dcn = mesh_shape(mesh_cfg, len(devices))
-    if math.prod(dcn) > 1:
-        device_array = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
-    elif devices[0].platform == "tpu":
-        device_array = mesh_utils.create_device_mesh(ici, devices)  # topology-aware on TPU
-    else:
-        device_array = np.asarray(devices).reshape(ici)
-    return Mesh(device_array, MESH_AXES)
+    if devices[0].platform != "tpu":
+        if math.prod(dcn) > 1:
+            return Mesh(mesh_utils.create_hybrid_device_mesh(ici, dcn, devices), MESH_AXES)
+        return Mesh(np.asarray(devices).reshape(ici), MESH_AXES)
+    return Mesh(tpu_device_array(ici, dcn, devices), MESH_AXES)
+
+
+def tpu_device_array(ici: tuple[int, ...], dcn: tuple[int, ...], devices: list[Any]) -> np.ndarray:
+    """TPU devices laid out along the torus: each mesh axis on whole physical axes where it can
+    be, else on a split physical axis (e.g. data=8 × fsdp=8 on a 4×4×4 v5p slice, where 8 is no
+    product of whole axes); a ConfigError naming sizes that map when neither can."""
+
+    def build(split: bool) -> np.ndarray:
+        if math.prod(dcn) > 1:
+            return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=split)
+        return mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=split)
+
+    try:
+        return build(split=False)
+    except (NotImplementedError, ValueError, AssertionError):
+        pass
+    try:
+        return build(split=True)
+    except (NotImplementedError, ValueError, AssertionError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        physical = "×".join(str(n) for n in _physical_shape(devices, dcn))
+        raise ConfigError(
+            f"mesh data×fsdp×tensor = {'×'.join(map(str, ici))} per slice cannot be laid out on the {physical} TPU "
+            f"torus ({reason}); give each mesh axis a product of the torus' axis sizes, e.g. "
+            f"{_suggestion(_physical_shape(devices, dcn))}"
+        ) from None
+
+
+def _physical_shape(devices: list[Any], dcn: tuple[int, ...]) -> list[int]:
+    """The torus of one slice (chips along x, y, z; × cores per chip where there are several)."""
+    per_slice = devices[: len(devices) // math.prod(dcn)]
+    shape = [len({d.coords[i] for d in per_slice}) for i in range(3)]
+    cores = len(per_slice) // math.prod(shape)
+    return [n for n in shape if n > 1] + ([cores] if cores > 1 else []) or [1]
+
+
+def _suggestion(physical: list[int]) -> str:
+    """Mesh sizes that map onto the torus: fsdp along its last axis, data along the rest."""
+    fsdp = physical[-1]
+    return f"--config.mesh.data=-1 --config.mesh.fsdp={fsdp} --config.mesh.tensor=1"
 
 
 def parse_rules(text: str, field: str = "sharding.rules") -> Rules:

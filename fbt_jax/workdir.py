@@ -59,7 +59,8 @@ NEUTRAL_PREFIXES = (
 # objective, the seed, the batch) needs --config.checkpoint.allow_resume_changes=True, and model
 # changes are refused outright.
 RESUME_FREE_PREFIXES = ("train.steps", "train.microbatches", "optimizer.", *NEUTRAL_PREFIXES)
-RESUME_IGNORED = ("workdir", "init_from", "fork_from", "dry_run", "dry_run_devices")
+RESUME_IGNORED = ("workdir", "init_from", "fork_from", "dry_run", "dry_run_devices", "dry_run_hbm_gib", "dry_run_chip")
+RESUME_IGNORED += ("dry_run_topology", "dry_run_num_slices")
 # Config fields in which a fork may differ from its trunk: the neutral ones, and the pass schedule
 # as long as it draws the same K at every step before the fork (checked where the fork restores).
 FORK_FREE_PREFIXES = ("passes.schedule", *NEUTRAL_PREFIXES)

@@ -18,7 +18,9 @@ DOCS = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path
 NEEDS = re.compile(r"#\s*needs:\s*\S")
 FENCE = re.compile(r"^```(\S*)\s*$")
 CI_COMMAND = 'pip install -e ".[test]" && python -m pytest'  # .ci/run's own command: checked, not rerun
-DRY_RUN_K1 = "--config.passes.schedule=0:1 --config.dry_run_chip="
+DRY_RUN_K1 = (
+    "--config.passes.schedule=0:1 --config.dry_run_chip= --config.eval.num_batches=0 --config.eval.contraction_passes=0"
+)
 
 # (doc, command as written, what to append, text the output must contain), in the order a reader
 # runs them: later commands use the runs that earlier ones made (runs/tiny, runs/text).

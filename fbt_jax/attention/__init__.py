@@ -9,6 +9,7 @@ MaxText runs Splash).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -38,6 +39,7 @@ __all__ = [
     "interpret_warning",
     "reference_mask",
     "resolve",
+    "target_platform",
 ]
 
 KERNELS = {"cudnn": cudnn_attention, "pallas_gpu": pallas_gpu_attention, "splash": splash_attention}
@@ -48,13 +50,17 @@ def attend(
 ) -> jax.Array:
     """Causal self-attention of T queries over the same T positions' keys and values, under `spec`.
 
-    `layout` (sharding.ActivationLayout or None) says where q/k/v live on the mesh."""
-    chosen = resolve(impl, call_of(q_BTNH, spec))
+    `layout` (sharding.ActivationLayout or None) says where q/k/v live on the mesh. The choice of
+    implementation and a Pallas kernel's mode (native or interpreted) follow the platform of the
+    mesh's devices, which is not this process's backend when a program is compiled for a TPU slice
+    or a GPU node from another machine (the dry run's `dry_run_topology`)."""
+    platform = target_platform(layout)
+    chosen = resolve(impl, call_of(q_BTNH, spec, platform))
     if chosen == "xla":
         return xla_attention(q_BTNH, k_BTGH, v_BTGH, reference_mask(spec))
     if chosen == "dot_product":
         return dot_product_attention(q_BTNH, k_BTGH, v_BTGH, reference_mask(spec))
-    kernel = KERNELS[chosen]
+    kernel = functools.partial(KERNELS[chosen], interpret=interpret_mode(chosen, platform))
     if layout is None:
         return kernel(q_BTNH, k_BTGH, v_BTGH, spec)
     q_spec, kv_spec, rows_spec = layout.heads_BTNH.spec, layout.kv_heads_BTGH.spec, layout.rows_BT.spec
@@ -67,6 +73,13 @@ def attend(
         check_vma=False,
     )
     return sharded(q_BTNH, k_BTGH, v_BTGH, spec)
+
+
+def target_platform(layout: Any) -> str:
+    """cpu | gpu | tpu: where the program is compiled for (the layout's mesh), else this process's backend."""
+    if layout is None:
+        return jax.default_backend()
+    return layout.heads_BTNH.mesh.devices.flat[0].platform
 
 
 def cached_attention(

@@ -34,7 +34,10 @@ def pallas_gpu_attention(
     spec: MaskSpec,
     forward_block: int | None = None,
     backward_block: int | None = None,
+    interpret: bool | None = None,
 ) -> jax.Array:
+    """`interpret`: emulate the kernel (the CPU) or lower it with Triton (a GPU); None: from this
+    process's backend. The caller passes the mode of the devices the program is compiled for."""
     # Imported where used: jax releases after 0.11.0 deprecate the Pallas-Triton ops (a warning on
     # import) in favour of tokamax (docs/performance.md).
     from jax.experimental.pallas.ops.gpu import attention as triton_attention
@@ -57,6 +60,6 @@ def pallas_gpu_attention(
         sm_scale=H**-0.5,
         causal=True,
         block_sizes=blocks,
-        interpret=interpret_mode("pallas_gpu", jax.default_backend()),
+        interpret=interpret_mode("pallas_gpu", jax.default_backend()) if interpret is None else interpret,
     )
     return out_BTNH[:, :T]

@@ -1,5 +1,6 @@
 """The Pallas TPU Splash attention kernel with segment ids for packed rows and a causal or local
-(sliding-window) mask; on the CPU it runs in interpret mode (the tests, and a dry run).
+(sliding-window) mask; compiled for a TPU it is lowered by Mosaic, compiled for the CPU it runs in
+interpret mode (the tests): the devices compiled for decide, not the host (`attend`).
 
 Splash computes one example at a time with heads leading ([N, T, H]); grouped kv heads use its
 multi-query form once per kv head (the R query heads of a group share one k, v). It does not scale
@@ -48,10 +49,15 @@ def padded_length(seq_len: int) -> tuple[int, int]:
     return -(-padded // block) * block, block
 
 
-def splash_attention(q_BTNH: jax.Array, k_BTGH: jax.Array, v_BTGH: jax.Array, spec: MaskSpec) -> jax.Array:
+def splash_attention(
+    q_BTNH: jax.Array, k_BTGH: jax.Array, v_BTGH: jax.Array, spec: MaskSpec, interpret: bool | None = None
+) -> jax.Array:
+    """`interpret`: emulate the kernel (the CPU) or lower it with Mosaic (a TPU); None: from this
+    process's backend. The caller passes the mode of the devices the program is compiled for."""
     B, T, N, H = q_BTNH.shape
     G = k_BTGH.shape[2]
-    interpret = interpret_mode("splash", jax.default_backend())
+    if interpret is None:
+        interpret = interpret_mode("splash", jax.default_backend())
     padded, block = padded_length(T)
     q_BTNH, k_BTGH, v_BTGH, segment_ids_BT = pad_rows(padded, q_BTNH, k_BTGH, v_BTGH, spec.segment_ids_BT)
     kernel = _kernel(padded, N // G, spec.window, block, interpret)

@@ -22,6 +22,7 @@ from flax import nnx
 from fbt_jax import attention, contraction, sharding
 from fbt_jax.model import ModelConfig, abstract_model, build_model
 from fbt_jax.schedule import PassSchedule
+from fbt_jax.train.program_facts import out_of_memory
 from fbt_jax.train.services import CACHE_HITS
 from fbt_jax.train.step import TrainState, contraction_step, eval_step, make_optimizer, step_settings, train_step
 
@@ -55,6 +56,10 @@ class TrainPrograms:
         self.graphdef = nnx.split(abstract_model(self.model_cfg, self.layout), nnx.Param)[0]
         self.abstract_state = jax.eval_shape(self._initial_state)
         self.state_shardings = self._state_shardings()
+        # The dry run's: a program the compiler refuses for lack of memory is reported and the
+        # next one compiled (name → the compiler's one line); a run raises instead.
+        self.keep_going_out_of_memory = False
+        self.refused: dict[str, str] = {}
         self.train: dict[int, Any] = {}  # K → compiled train step
         self.eval: Any = None  # compiled eval step (every K up to max(eval.num_passes)), if evaluating
         self.contraction: Any = None  # compiled contraction monitor on one held-out batch, if on
@@ -129,8 +134,8 @@ class TrainPrograms:
                 donate_argnums=0,
             )
             batch = self.abstract_batch(self.config.train.batch_size)
-            self.train[k], report[f"train_K{k}"] = compile_aot(jitted, abstract_state, batch)
-            self.log(f"compiled train step K={k}: {describe(report[f'train_K{k}'])}")
+            self.train[k], report[f"train_K{k}"] = self._compile(f"train_K{k}", jitted, abstract_state, batch)
+            self.log(f"compiled train step K={k}: {describe(report[f'train_K{k}'], self.refused.get(f'train_K{k}'))}")
         e = self.config.eval
         if e.num_batches > 0:
             eval_fn = functools.partial(
@@ -143,8 +148,11 @@ class TrainPrograms:
             jitted = jax.jit(
                 eval_fn, in_shardings=(self.state_shardings.params, self.batch_sharding), out_shardings=replicated
             )
-            self.eval, report["eval"] = compile_aot(jitted, abstract_state.params, self.abstract_batch(e.batch_size))
-            self.log(f"compiled eval (K up to {max(e.num_passes)}): {describe(report['eval'])}")
+            batch = self.abstract_batch(e.batch_size)
+            self.eval, report["eval"] = self._compile("eval", jitted, abstract_state.params, batch)
+            self.log(
+                f"compiled eval (K up to {max(e.num_passes)}): {describe(report['eval'], self.refused.get('eval'))}"
+            )
         if self.monitored and e.contraction_every_steps > 0:
             monitor_fn = functools.partial(
                 contraction_step, graphdef=self.graphdef, fuse_from=e.fuse_from, monitored=self.monitored
@@ -153,10 +161,24 @@ class TrainPrograms:
                 monitor_fn, in_shardings=(self.state_shardings.params, self.batch_sharding), out_shardings=replicated
             )
             batch = self.abstract_batch(e.batch_size)
-            self.contraction, report["contraction"] = compile_aot(jitted, abstract_state.params, batch)
+            self.contraction, report["contraction"] = self._compile("contraction", jitted, abstract_state.params, batch)
             first, last = self.monitored
-            self.log(f"compiled contraction monitor (passes {first}–{last}): {describe(report['contraction'])}")
+            refused = self.refused.get("contraction")
+            self.log(
+                f"compiled contraction monitor (passes {first}–{last}): {describe(report['contraction'], refused)}"
+            )
         return report
+
+    def _compile(self, name: str, jitted: Any, *abstract_args: Any) -> tuple[Any, dict[str, float]]:
+        start = time.perf_counter()
+        try:
+            return compile_aot(jitted, *abstract_args)
+        except Exception as e:
+            refusal = out_of_memory(e) if self.keep_going_out_of_memory else None
+            if refusal is None:
+                raise
+            self.refused[name] = refusal[0]
+            return None, {"compile_seconds": time.perf_counter() - start, "cache_hit": 0.0, "required_gib": refusal[1]}
 
 
 def compile_aot(jitted: Any, *abstract_args: Any) -> tuple[Any, dict[str, float]]:
@@ -178,7 +200,9 @@ def compile_aot(jitted: Any, *abstract_args: Any) -> tuple[Any, dict[str, float]
     return compiled, report
 
 
-def describe(report: dict[str, float]) -> str:
+def describe(report: dict[str, float], refused: str | None = None) -> str:
+    if refused is not None:
+        return f"does not fit (refused in {report['compile_seconds']:.1f}s): {refused}"
     text = f"compiled in {report['compile_seconds']:.1f}s"
     if report.get("cache_hit"):
         text += " (loaded from the compilation cache)"

@@ -1,0 +1,175 @@
+"""The 1B config's memory per TPU chip, from the TPU compiler: remat policy × microbatches × K for a
+v5e, v5p and v6e slice, and the least recompute that fits each.
+
+    python benchmarks/tpu_memory.py [--smoke] [--write-docs docs/launch.md] [--resume PATH]
+
+Compiles configs/fbt_1b.py's train step of every K for the slice's compile-only devices (libtpu:
+`pip install 'fbt-jax[tpu]'`; no TPU needed) and reads each program's per-device memory; a
+program the compiler refuses for lack of HBM counts as not fitting, with the figure it named.
+Per chip and policy the microbatches double (1, 2, 4) until every K fits; the largest K is
+compiled first, and a setting it does not fit is not compiled for the others (–). The choice per
+chip is the least recompute (none < save_matmuls_no_batch < block), then the fewest microbatches,
+whose every K fits with HEADROOM of the chip's HBM left free. `--resume PATH` keeps each compiled
+row in PATH and skips it on the next run (a full run compiles ~30 programs of 1–3 min each on 2
+cores). `--smoke` compiles the tiny config for v5e:2x2.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this machine compiles only
+
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import docs_block  # noqa: E402
+
+from fbt_jax import sharding, targets  # noqa: E402
+from fbt_jax.train.programs import TrainPrograms  # noqa: E402
+from fbt_jax.validation import validate_config  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHIPS = ("v5e:8x8", "v5p:4x4x4", "v6e:8x8")
+POLICIES = ("none", "save_matmuls_no_batch", "block")  # least recompute first
+MICROBATCHES = (1, 2, 4)
+# HBM left free by a chosen setting: the compiler's figure leaves out what the runtime holds beside
+# the program (the next batch in flight, checkpoint copies, the programs' code) and fragmentation.
+HEADROOM = 0.10
+
+
+def load_config(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def compile_row(base, target, policy: str, microbatches: int) -> dict:
+    """Per K: GiB per device (or the compiler's figure for a refused program), whether it fits, compile s."""
+    config = base.copy_and_resolve_references()
+    config.model.remat, config.train.microbatches = policy, microbatches
+    config.eval.num_batches, config.eval.contraction_passes = 0, 0
+    schedule = validate_config(config, num_devices=len(target.devices))
+    # Packed rows with segment ids, as a real run reads a prepared text dataset.
+    programs = TrainPrograms(config, schedule, target.devices, packed=True, log=lambda *_: None)
+    programs.keep_going_out_of_memory = True
+    state_gib = 0.0
+    row = {"policy": policy, "microbatches": microbatches, "K": {}}
+    for k in sorted(schedule.pass_counts, reverse=True):  # the largest K needs the most memory
+        report = programs.compile((k,))[f"train_K{k}"]
+        refused = f"train_K{k}" in programs.refused
+        if refused and not state_gib:  # the compiler names its temporaries; the train state comes on top
+            state_gib = sharding.per_device_bytes(programs.abstract_state, programs.state_shardings) / 2**30
+        gib = report["device_bytes"] / 2**30 if not refused else report["required_gib"] + state_gib
+        row["K"][str(k)] = {"gib": gib, "refused": refused, "compile_seconds": report["compile_seconds"]}
+        if refused:
+            break  # this setting cannot serve every K: the smaller K are not compiled ("–")
+    return row
+
+
+def fits(row: dict, hbm_gib: float, headroom: float = 0.0) -> bool:
+    return all(not k["refused"] and k["gib"] <= hbm_gib * (1 - headroom) for k in row["K"].values())
+
+
+def measure(base, chips, policies, microbatches, resume: str | None) -> dict:
+    done = json.load(open(resume)) if resume and os.path.exists(resume) else {}
+    results = {}
+    for chip in chips:
+        target = targets.target(chip)
+        hbm_gib = target.hbm_bytes / 2**30
+        rows = []
+        for policy in policies:
+            for m in microbatches:
+                if base.train.batch_size % (m * len(target.devices)):
+                    break
+                key = f"{chip}/{policy}/{m}"
+                if key not in done:
+                    print(f"compiling {key} ...", file=sys.stderr, flush=True)
+                    done[key] = compile_row(base, target, policy, m)
+                    if resume:
+                        json.dump(done, open(resume, "w"), indent=1)
+                rows.append(done[key])
+                if fits(done[key], hbm_gib):
+                    break  # more microbatches only cost speed
+        results[chip] = {
+            "describe": target.describe(),
+            "hbm_gib": hbm_gib,
+            "rows": rows,
+            "chosen": choose(rows, hbm_gib),
+        }
+    return results
+
+
+def choose(rows: list[dict], hbm_gib: float) -> dict | None:
+    """The least recompute, then the fewest microbatches, that fits every K with HEADROOM free."""
+    fitting = [r for r in rows if fits(r, hbm_gib, HEADROOM)]
+    return min(fitting, key=lambda r: (POLICIES.index(r["policy"]), r["microbatches"]), default=None)
+
+
+def table(results: dict) -> str:
+    lines = []
+    for chip, result in results.items():
+        ks = sorted({k for row in result["rows"] for k in row["K"]})
+        lines += [
+            f"**{chip}** — {result['describe']}",
+            "",
+            "| remat | microbatches | " + " | ".join(f"K={k} GiB" for k in ks) + " | every K fits | compile s |",
+            "|---|---|" + "---|" * len(ks) + "---|---|",
+        ]
+        for row in result["rows"]:
+            cells = [_cell(row["K"].get(k)) for k in ks]
+            seconds = sum(v["compile_seconds"] for v in row["K"].values())
+            verdict = "yes" if fits(row, result["hbm_gib"]) else "no"
+            lines.append(
+                f"| {row['policy']} | {row['microbatches']} | " + " | ".join(cells) + f" | {verdict} | {seconds:.0f} |"
+            )
+        chosen = result["chosen"]
+        pick = (
+            f"`model.remat={chosen['policy']}`, `train.microbatches={chosen['microbatches']}`"
+            if chosen
+            else "nothing fits"
+        )
+        lines += ["", f"Least recompute with {HEADROOM:.0%} of HBM free on {chip}: {pick}.", ""]
+    return "\n".join(lines)
+
+
+def _cell(figures: dict | None) -> str:
+    if figures is None:
+        return "–"
+    return f"{figures['gib']:.2f}" if not figures["refused"] else f"≥ {figures['gib']:.1f} (refused)"
+
+
+def main() -> None:
+    extra = (("--resume", {"metavar": "PATH", "help": "keep compiled rows in PATH and skip them next time"}),)
+    args = docs_block.arguments(__doc__, "tpu_memory", "the tiny config on v5e:2x2: checks that it runs", extra)
+    start = time.perf_counter()
+    if args.smoke:
+        base = load_config("tiny")
+        base.model.attention_impl = "splash"
+        base.passes.schedule = "0:1"  # K=1 only: two programs
+        results = measure(base, ("v5e:2x2",), ("none", "block"), (1, 2), args.resume)
+    else:
+        results = measure(load_config("fbt_1b"), CHIPS, POLICIES, MICROBATCHES, args.resume)
+    wall = time.perf_counter() - start
+    text = table(results)
+    print(text)
+    if args.write_docs:
+        command = f"python benchmarks/tpu_memory.py{' --smoke' if args.smoke else ''}"
+        machine = f"Machine: {os.cpu_count()} CPU cores, compiling only; {wall / 60:.0f} min."
+        if args.smoke:
+            machine += " Smoke run (tiny config): these figures only show that the benchmark runs."
+        docs_block.write_block(args.write_docs, "tpu_memory", f"Written by `{command}`. {machine}\n\n{text}")
+    figures = {
+        chip: {f"{r['policy']}@{r['microbatches']}": {k: v["gib"] for k, v in r["K"].items()} for r in result["rows"]}
+        for chip, result in results.items()
+    }
+    print(json.dumps({"wall_seconds": wall, "gib_per_device": figures}))
+
+
+if __name__ == "__main__":
+    main()
