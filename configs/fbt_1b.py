@@ -25,13 +25,16 @@ def get_config():
     c.model.param_dtype = "float32"
     c.model.compute_dtype = "bfloat16"
     c.model.scan_layers = True  # compile time flat in depth
-    # Memory (the dry run's table in docs/launch.md): keep only each block's input and recompute
-    # the rest in the backward pass, never hold the (tokens × 100k) logits at once, and compute
-    # each global batch in two halves. K = 1, 2 and 3 then fit a 16 GiB v5e chip.
+    # Memory, chosen by the TPU compiler (benchmarks/compile_memory.py, docs/launch.md): on a v5e-64
+    # slice the least recompute that fits K = 1, 2 and 3 with 10% of the 15.75 GiB free is `block`
+    # (keep each block's input, recompute the rest in the backward pass) over the whole batch at
+    # once: 6.7 / 8.7 / 11.3 GiB per chip. Keeping more (`save_matmuls_no_batch`, `none`) does not
+    # fit K = 3 even in 4 microbatches. The (tokens × 100k) logits are never held at once.
     c.model.remat = "block"
     c.model.loss_chunk_size = 256
-    # A 64-chip slice: FSDP within groups of 8, data parallel across them. The dry run simulates
-    # the 64 devices on the CPU: fbt-train --config=configs/fbt_1b.py --config.dry_run=True
+    # A 64-chip slice: FSDP within groups of 8, data parallel across them. Compile for it from any
+    # machine: fbt-train --config=configs/fbt_1b.py --config.dry_run=True --config.dry_run_topology=v5e:8x8
+    # (without libtpu the dry run simulates the 64 devices with the CPU compiler).
     c.mesh.data = -1
     c.mesh.fsdp = 8
     c.mesh.tensor = 1
@@ -39,7 +42,7 @@ def get_config():
     c.dry_run_chip = "v5e"
     c.train.steps = 100_000  # 100k steps × 512 × 2048 tokens ≈ 100B tokens
     c.train.batch_size = 512
-    c.train.microbatches = 2
+    c.train.microbatches = 1
     c.train.log_every = 50
     c.optimizer.learning_rate = 3e-4
     c.optimizer.warmup_steps = 2000

@@ -181,6 +181,11 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     )
     if config.dry_run_chip:
         chip_hbm_gib(config.dry_run_chip)  # an unknown chip is a ConfigError naming the known ones
+    _require(
+        config.dry_run_num_slices >= 1 and (config.dry_run_topology or config.dry_run_num_slices == 1),
+        f"dry_run_num_slices={config.dry_run_num_slices}: slices of a dry_run_topology, at least 1 "
+        "(e.g. --config.dry_run_topology=v5e:8x8 --config.dry_run_num_slices=2 --config.mesh.dcn_data=2)",
+    )
     _require(e.every_steps >= 0, f"eval.every_steps={e.every_steps} is negative; use 0 for a final eval only")
     _require(
         e.contraction_passes == 0 or e.contraction_passes >= 2,

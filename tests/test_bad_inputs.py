@@ -328,6 +328,18 @@ CASES = [
         devices=8,
     ),
     case("train-lr-inf", [*NEW, "--config.optimizer.learning_rate=inf"], 2, r"learning_rate=inf is not a finite"),
+    case(
+        "dry-run-topology-rejected",
+        [*NEW, "--config.dry_run=True", "--config.dry_run_topology=v5e:3x3"],
+        2,
+        r"dry_run_topology='v5e:3x3': the TPU compiler rejects it \(INVALID_ARGUMENT.*e\.g\. v5e:8x8, v5p:4x4x4",
+    ),
+    case(
+        "dry-run-slices-without-topology",
+        [*NEW, "--config.dry_run=True", "--config.dry_run_num_slices=2"],
+        2,
+        r"dry_run_num_slices=2: slices of a dry_run_topology",
+    ),
     case("train-lr-nan", [*NEW, "--config.optimizer.learning_rate=nan"], 2, r"learning_rate=nan is not a finite"),
     case("train-noise-nan", [*NEW, "--config.passes.noise_std=nan"], 2, r"passes.noise_std=nan is not a finite"),
     case("train-lr-negative", [*NEW, "--config.optimizer.learning_rate=-1"], 2, r"learning_rate=-1.0 must be positive"),

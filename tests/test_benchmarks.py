@@ -24,7 +24,7 @@ BENCHMARKS = {
     "sharding_overhead": "compile_seconds",
     "first_run": "wall_seconds",
     "dry_run_memory": "device_mib_K3",
-    "tpu_memory": "gib_per_device",
+    "compile_memory": "gib_per_device",
     "sweep_cost": "ratio",
     "gpu_check": "checks",
     "interop_memory": "export",

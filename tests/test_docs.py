@@ -134,6 +134,15 @@ RUNS = [
     # The 1B dry runs compile one program instead of six (K=1 only, no memory-fit table): the
     # whole dry run as written is tests/test_dry_run.py's (it took 70 s + 91 s of this test's 9 min).
     ("docs/launch.md", "fbt-train --config=configs/fbt_1b.py --config.dry_run=True", DRY_RUN_K1, "dry run complete"),
+    # For the slice: the TPU compiler (libtpu, the test extra's), the 1B model at 2 layers, K=1 only,
+    # a batch too small for the memory table's second compile (the full dry run is
+    # benchmarks/dry_run_memory.py --topology=v5e:8x8's, 13 min).
+    (
+        "docs/launch.md",
+        "fbt-train --config=configs/fbt_1b.py --config.dry_run=True --config.dry_run_topology=v5e:8x8",
+        DRY_RUN_K1 + " --config.model.num_layers=2 --config.train.batch_size=128",
+        "Mosaic kernel calls",
+    ),
     (
         "docs/performance.md",
         "fbt-train --config=configs/fbt_1b.py --config.dry_run=True --config.model.attention_impl=splash",

@@ -1,17 +1,19 @@
-"""The 1B config's memory per TPU chip, from the TPU compiler: remat policy × microbatches × K for a
-v5e, v5p and v6e slice, and the least recompute that fits each.
+"""The 1B config's memory per chip, from the chip's own compiler: remat policy × microbatches × K
+for a v5e, v5p and v6e slice (the TPU compiler), or with `--gpu` an 8×H100 and an 8×H200 node (the
+GPU compiler), and the least recompute that fits each.
 
-    python benchmarks/tpu_memory.py [--smoke] [--write-docs docs/launch.md] [--resume PATH]
+    python benchmarks/compile_memory.py [--gpu] [--smoke] [--write-docs docs/launch.md] [--resume PATH]
 
-Compiles configs/fbt_1b.py's train step of every K for the slice's compile-only devices (libtpu:
-`pip install 'fbt-jax[tpu]'`; no TPU needed) and reads each program's per-device memory; a
-program the compiler refuses for lack of HBM counts as not fitting, with the figure it named.
-Per chip and policy the microbatches double (1, 2, 4) until every K fits; the largest K is
-compiled first, and a setting it does not fit is not compiled for the others (–). The choice per
-chip is the least recompute (none < save_matmuls_no_batch < block), then the fewest microbatches,
-whose every K fits with HEADROOM of the chip's HBM left free. `--resume PATH` keeps each compiled
-row in PATH and skips it on the next run (a full run compiles ~30 programs of 1–3 min each on 2
-cores). `--smoke` compiles the tiny config for v5e:2x2.
+Compiles configs/fbt_1b.py's train step of every K for the compile-only devices of the slice or
+node (libtpu: `pip install 'fbt-jax[tpu]'`; jax's CUDA plugin for `--gpu`: `fbt-jax[cuda]`; no
+chip needed) and reads each program's per-device memory; a program XLA:TPU refuses for lack of HBM
+counts as not fitting, with the figure it named (XLA:GPU refuses nothing: its figure is compared
+with the GPU's memory). Per chip and policy the microbatches double until every K fits; the
+largest K is compiled first, and a setting it does not fit is not compiled for the others (–).
+The choice per chip is the least recompute (none < save_matmuls_no_batch < block), then the
+fewest microbatches, whose every K fits with HEADROOM of the chip's HBM left free. `--resume PATH`
+keeps each compiled row in PATH and skips it on the next run (a TPU run compiles ~30 programs of
+up to 3 min each on 2 cores). `--smoke` compiles the tiny config for v5e:2x2 (h100:2 with `--gpu`).
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ from fbt_jax.validation import validate_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHIPS = ("v5e:8x8", "v5p:4x4x4", "v6e:8x8")
+GPU_NODES = ("h100:8", "h200:8")
 POLICIES = ("none", "save_matmuls_no_batch", "block")  # least recompute first
-MICROBATCHES = (1, 2, 4)
+MICROBATCHES = (1, 2, 4)  # a slice's 64 chips: up to 2 examples per chip per microbatch
+GPU_MICROBATCHES = (1, 2, 4, 8, 16)  # a node's 8 GPUs share the same 512 rows
 # HBM left free by a chosen setting: the compiler's figure leaves out what the runtime holds beside
 # the program (the next batch in flight, checkpoint copies, the programs' code) and fragmentation.
 HEADROOM = 0.10
@@ -51,6 +55,7 @@ def load_config(name: str):
 
 def compile_row(base, target, policy: str, microbatches: int) -> dict:
     """Per K: GiB per device (or the compiler's figure for a refused program), whether it fits, compile s."""
+    hbm_gib = target.hbm_bytes / 2**30
     config = base.copy_and_resolve_references()
     config.model.remat, config.train.microbatches = policy, microbatches
     config.eval.num_batches, config.eval.contraction_passes = 0, 0
@@ -67,7 +72,7 @@ def compile_row(base, target, policy: str, microbatches: int) -> dict:
             state_gib = sharding.per_device_bytes(programs.abstract_state, programs.state_shardings) / 2**30
         gib = report["device_bytes"] / 2**30 if not refused else report["required_gib"] + state_gib
         row["K"][str(k)] = {"gib": gib, "refused": refused, "compile_seconds": report["compile_seconds"]}
-        if refused:
+        if refused or gib > hbm_gib:
             break  # this setting cannot serve every K: the smaller K are not compiled ("–")
     return row
 
@@ -94,7 +99,7 @@ def measure(base, chips, policies, microbatches, resume: str | None) -> dict:
                     if resume:
                         json.dump(done, open(resume, "w"), indent=1)
                 rows.append(done[key])
-                if fits(done[key], hbm_gib):
+                if fits(done[key], hbm_gib, HEADROOM):
                     break  # more microbatches only cost speed
         results[chip] = {
             "describe": target.describe(),
@@ -145,25 +150,33 @@ def _cell(figures: dict | None) -> str:
 
 
 def main() -> None:
-    extra = (("--resume", {"metavar": "PATH", "help": "keep compiled rows in PATH and skip them next time"}),)
-    args = docs_block.arguments(__doc__, "tpu_memory", "the tiny config on v5e:2x2: checks that it runs", extra)
+    extra = (
+        ("--gpu", {"action": "store_true", "help": "GPU nodes (8×H100, 8×H200) with jax's CUDA plugin"}),
+        ("--resume", {"metavar": "PATH", "help": "keep compiled rows in PATH and skip them next time"}),
+    )
+    args = docs_block.arguments(
+        __doc__, "compile_memory", "the tiny config on v5e:2x2: checks that it runs", extra, lambda a: "--gpu" * a.gpu
+    )
     start = time.perf_counter()
     if args.smoke:
         base = load_config("tiny")
-        base.model.attention_impl = "splash"
+        base.model.attention_impl = "pallas_gpu" if args.gpu else "splash"
         base.passes.schedule = "0:1"  # K=1 only: two programs
-        results = measure(base, ("v5e:2x2",), ("none", "block"), (1, 2), args.resume)
+        results = measure(base, ("h100:2" if args.gpu else "v5e:2x2",), ("none", "block"), (1, 2), args.resume)
+    elif args.gpu:
+        results = measure(load_config("fbt_1b"), GPU_NODES, POLICIES, GPU_MICROBATCHES, args.resume)
     else:
         results = measure(load_config("fbt_1b"), CHIPS, POLICIES, MICROBATCHES, args.resume)
     wall = time.perf_counter() - start
     text = table(results)
     print(text)
     if args.write_docs:
-        command = f"python benchmarks/tpu_memory.py{' --smoke' if args.smoke else ''}"
+        command = f"python benchmarks/compile_memory.py{' --gpu' if args.gpu else ''}{' --smoke' if args.smoke else ''}"
         machine = f"Machine: {os.cpu_count()} CPU cores, compiling only; {wall / 60:.0f} min."
         if args.smoke:
             machine += " Smoke run (tiny config): these figures only show that the benchmark runs."
-        docs_block.write_block(args.write_docs, "tpu_memory", f"Written by `{command}`. {machine}\n\n{text}")
+        body = f"Written by `{command}`. {machine}\n\n{text}"
+        docs_block.write_block(args.write_docs, "compile_memory", body, variant="--gpu" * args.gpu)
     figures = {
         chip: {f"{r['policy']}@{r['microbatches']}": {k: v["gib"] for k, v in r["K"].items()} for r in result["rows"]}
         for chip, result in results.items()
