@@ -71,17 +71,17 @@ def target(name: str, num_slices: int = 1) -> Target:
 
 
 def tpu_target(topology: str, num_slices: int = 1) -> Target:
-    version = _installed("libtpu")
-    if version is None:
-        raise ConfigError(
-            f"dry_run_topology={topology!r} compiles with the TPU compiler (libtpu), which is not installed; "
-            f"{INSTALL_TPU} brings the version that matches jax"
-        )
     if not TPU_FORM.match(topology):
         raise ConfigError(
             f"dry_run_topology={topology!r} is not a TPU topology or GPU node; use CHIP:AxB or CHIP:AxBxC with CHIP "
             f"one of {', '.join(TPU_CHIPS)} (e.g. {TPU_EXAMPLES}), or GPU:COUNT with GPU one of "
             f"{', '.join(GPU_SPECS)} (e.g. h100:8)"
+        )
+    version = _installed("libtpu")
+    if version is None:
+        raise ConfigError(
+            f"dry_run_topology={topology!r} compiles with the TPU compiler (libtpu), which is not installed; "
+            f"{INSTALL_TPU} brings the version that matches jax"
         )
     # libtpu reads the host's TPU metadata when it loads; on a machine that is not a TPU VM that
     # fails noisily (and harmlessly). Only compile-only devices are made here.
@@ -134,8 +134,11 @@ def gpu_target(name: str) -> Target:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"dry_run_topology={name!r}: the GPU compiler rejects it ({reason})") from None
     memory = re.search(r"device_memory_size:\s*(\d+)", spec)
-    hbm = float(memory.group(1)) if memory else hardware.chip_hbm_gib(gpu) * 2**30
-    return Target(name, devices, f"GPU compiler (jax CUDA plugin {version})", hbm, "XLA's device description")
+    total = float(memory.group(1)) if memory else hardware.chip_hbm_gib(gpu) * 2**30
+    # jax preallocates this fraction of a GPU's memory and gives programs nothing beyond it.
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    source = f"{fraction:.0%} of the {total / 2**30:.2f} GiB of XLA's device description: jax's XLA_PYTHON_CLIENT_MEM_FRACTION"
+    return Target(name, devices, f"GPU compiler (jax CUDA plugin {version})", total * fraction, source)
 
 
 def available_hbm_bytes(device: Any) -> float | None:

@@ -61,7 +61,9 @@ def compiled_k1(config, target):
 
 @needs_libtpu
 def test_the_dry_run_compiles_every_program_for_a_tpu_slice_with_the_mosaic_splash_kernel():
-    text, report = dry_run(tiny(dry_run_topology="v5e:2x2"))
+    # One row per device: the batch cannot split further, so the memory table needs no second
+    # compile (its largest-microbatch model is the CPU dry run's, tests/test_dry_run.py).
+    text, report = dry_run(tiny(dry_run_topology="v5e:2x2", **{"train.batch_size": 4}))
     version = importlib.metadata.version("libtpu")
     assert f"figures from: TPU compiler (libtpu {version}), topology v5e:2x2, 4 × TPU v5 lite, 15.75 GiB" in text
     assert "over 4 tpu devices" in text
@@ -83,8 +85,8 @@ def test_the_dry_run_compiles_every_program_for_a_tpu_slice_with_the_mosaic_spla
     ], text
     calls = [int(n) for _, n in programs]
     assert calls[0] > 0 and calls[0] < calls[1] < calls[2], calls  # one kernel per pass per layer, and its backward
-    rows = re.findall(r"^\| (\d) \| ([\d.]+) \| (yes|no) \| (.+) \|$", text, re.MULTILINE)
-    assert [(k, fits) for k, _, fits, _ in rows] == [("1", "yes"), ("2", "yes"), ("3", "yes")], text
+    rows = re.findall(r"^\| (\d) \| ([\d.]+) \| (yes|no) \| – \|$", text, re.MULTILINE)
+    assert [(k, fits) for k, _, fits in rows] == [("1", "yes"), ("2", "yes"), ("3", "yes")], text
     assert "against 15.75 GiB (TPU v5 lite, available to programs, the compiler's figure)" in text
     assert all(report[f"train_K{k}"]["device_bytes"] > 0 for k in (1, 2, 3))
 
@@ -209,7 +211,8 @@ def test_a_topology_the_compiler_rejects_is_one_line_with_the_accepted_form(name
 @needs_cuda_plugin
 def test_a_gpu_node_compiles_with_the_triton_kernel_not_its_emulation():
     target = targets.target("h100:8")
-    assert target.platform == "gpu" and len(target.devices) == 8 and target.hbm_bytes == 84978434048
+    # jax preallocates 75% of a GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION): what a program may use.
+    assert target.platform == "gpu" and len(target.devices) == 8 and target.hbm_bytes == 0.75 * 84978434048
     programs, report = compiled_k1(tiny(**{"model.attention_impl": "pallas_gpu"}), target)
     hlo = programs.train[1].as_text()
     assert program_facts.kernel_calls(hlo).get("Triton", 0) > 0 and " while(" not in hlo
