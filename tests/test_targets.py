@@ -17,7 +17,7 @@ from conftest import load_config
 from fbt_jax import sharding, targets
 from fbt_jax.errors import ConfigError
 from fbt_jax.train import program_facts
-from fbt_jax.train.dry_run import check_slices, dry_run, program_lines
+from fbt_jax.train.dry_run import check_slices, dry_run, program_lines, scores_heads
 from fbt_jax.train.programs import TrainPrograms
 from fbt_jax.validation import validate_config
 
@@ -97,6 +97,17 @@ def test_the_reference_attention_shows_as_no_kernel_and_a_t_by_t_array():
     programs, _ = compiled_k1(tiny(**{"model.attention_impl": "xla"}), targets.target("v5e:2x2"))
     (line,) = program_lines(programs, 32)  # the train step's
     assert "attention xla (no kernel call, " in line and "arrays of (T, T) = (32, 32)" in line, line
+
+
+@needs_libtpu
+def test_where_t_equals_the_width_a_head_count_equal_to_a_devices_rows_is_no_evidence():
+    """T = D: a (…, rows, T, D) activation is shaped like (…, heads, T, T) scores when a device's
+    rows equal a head count; such counts are left out, the heads per group still show the scores."""
+    config = tiny(**{"data.seq_len": 64, "model.num_heads": 8, "model.num_kv_heads": 4, "train.batch_size": 16})
+    target = targets.target("v5e:2x2")
+    programs = TrainPrograms(config, validate_config(config, 4), target.devices, packed=False, log=lambda *_: None)
+    assert scores_heads(programs, 32) == {8, 4, 2}  # T = 32 is no width: every head count
+    assert scores_heads(programs, 64) == {2}  # 4 rows per device (8 for two passes) look like heads
 
 
 @needs_libtpu

@@ -114,9 +114,7 @@ def program_lines(programs: TrainPrograms, seq_len: int) -> list[str]:
         programs.mesh.devices.flat[0].platform, cfg.compute_dtype, programs.packed, cfg.sliding_window, cfg.head_size
     )
     chosen = attention.resolve(cfg.attention_impl, call)
-    tensor = programs.mesh.shape["tensor"]
-    heads = {cfg.num_heads, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads}
-    heads |= {n // tensor for n in heads if n % tensor == 0}
+    heads = scores_heads(programs, seq_len)
     compiled = {f"train step K={k}": program for k, program in programs.train.items() if program is not None}
     compiled |= {"eval": programs.eval} if programs.eval is not None else {}
     compiled |= {"contraction monitor": programs.contraction} if programs.contraction is not None else {}
@@ -130,6 +128,27 @@ def program_lines(programs: TrainPrograms, seq_len: int) -> list[str]:
         traffic = program_facts.describe_collectives(program_facts.collectives(hlo), call.platform)
         lines.append(f"{name}: attention {chosen} ({held}, {whole}); collectives per execution: {traffic}")
     return lines
+
+
+def scores_heads(programs: TrainPrograms, seq_len: int) -> set[int]:
+    """The head counts an attention-scores array (…, heads, T, T) may show (all heads, kv heads,
+    heads per group; per device under tensor parallelism). Where T equals a model width (the 1B
+    config: T = D = 2048) a (…, rows, T, D) activation looks the same: head counts that equal a
+    device's rows are then left out (the scores still show their heads per group)."""
+    cfg, config = programs.model_cfg, programs.config
+    tensor = programs.mesh.shape["tensor"]
+    heads = {cfg.num_heads, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads}
+    heads |= {n // tensor for n in heads if n % tensor == 0}
+    widths = {cfg.embed_dim, cfg.mlp_dim, cfg.vocab_size, cfg.num_heads * cfg.head_size}
+    if seq_len in widths:
+        dp = programs.mesh.size // tensor
+        batches = (
+            config.train.batch_size,
+            config.train.batch_size // config.train.microbatches,
+            config.eval.batch_size,
+        )
+        heads -= {b // dp for b in batches} | {b // dp * 2 for b in batches}  # also a pass pair's
+    return heads
 
 
 def memory_fit(
