@@ -96,6 +96,8 @@ def test_kernel_calls_and_t_by_t_arrays():
     assert program_facts.square_buffers(HLO, 32, {2}) == 1  # f32[8,2,32,32]: 2 heads' scores
     assert program_facts.square_buffers(HLO, 32, {4}) == 0  # … where 2 is no head count: not scores
     assert program_facts.square_buffers(HLO, 64, {2, 8}) == 0  # bf16[64,64]: a weight
+    stacked = "%w = f32[2,64,64]{2,1,0} parameter(0)"  # two (D, D) weights where T = D
+    assert program_facts.square_buffers(stacked, 64, {2}) == 0
 
 
 def test_the_compilers_refusal_is_one_line_with_its_figure():

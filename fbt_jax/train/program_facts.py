@@ -150,14 +150,14 @@ def kernel_calls(hlo: str) -> dict[str, int]:
 
 
 def square_buffers(hlo: str, seq_len: int, heads: set[int]) -> int:
-    """Arrays in the program shaped (…, heads, T, T), `heads` being a head count (query heads, kv
-    heads, heads per group, per device): the scores of attention computed whole, which a flash
-    kernel never materialises. The head dim tells them from a (…, batch, T, D) activation where
-    the model width D equals T (the 1B config: 2048 both)."""
+    """Arrays in the program shaped (rows, …heads…, T, T), `heads` being a head count (query heads,
+    kv heads, heads per group, per device): the scores of attention computed whole, which a flash
+    kernel never materialises. Rank 4 at least and the head dim tell them from (rows, T, D)
+    activations and (2, D, D) weights where the model width D equals T (the 1B config: 2048 both)."""
     count = 0
     for _, dims in SHAPE.findall(hlo):
         shape = [int(d) for d in dims.split(",") if d]
-        count += len(shape) >= 3 and shape[-2:] == [seq_len, seq_len] and shape[-3] in heads
+        count += len(shape) >= 4 and shape[-2:] == [seq_len, seq_len] and any(d in heads for d in shape[1:-2])
     return count
 
 
