@@ -83,8 +83,11 @@ def tpu_target(topology: str, num_slices: int = 1) -> Target:
             f"dry_run_topology={topology!r} compiles with the TPU compiler (libtpu), which is not installed; "
             f"{INSTALL_TPU} brings the version that matches jax"
         )
-    # libtpu reads the host's TPU metadata when it loads; on a machine that is not a TPU VM that
-    # fails noisily (and harmlessly). Only compile-only devices are made here.
+    # libtpu reads the host's TPU metadata when it loads, and on a machine that is not a TPU VM
+    # writes its warnings into the environment (TPU_WORKER_ID="WARNING: could not determine…"),
+    # where every later command of this process would read them. Only compile-only devices are
+    # made here: give it what it asks for, and put the environment back afterwards.
+    saved = dict(os.environ)
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     # libtpu takes a machine-wide lock for the chips it drives; compiling drives none, and two dry
@@ -104,6 +107,9 @@ def tpu_target(topology: str, num_slices: int = 1) -> Target:
             f"dry_run_topology={topology!r}: the TPU compiler rejects it ({reason}); use a slice shape of that chip, "
             f"e.g. {TPU_EXAMPLES}"
         ) from None
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     hbm = available_hbm_bytes(devices[0])
     source = "available to programs, the compiler's figure"
     if hbm is None:  # a libtpu that words its refusal otherwise: the chip's nominal memory

@@ -112,7 +112,7 @@ def test_where_t_equals_the_width_a_head_count_equal_to_a_devices_rows_is_no_evi
 
 @needs_libtpu
 def test_two_slices_compile_with_dcn_data_and_their_traffic_crosses_dcn():
-    config = tiny(**{"mesh.fsdp": 2, "mesh.dcn_data": 2, "dry_run_num_slices": 2})
+    config = tiny(**{"mesh.fsdp": 2, "mesh.dcn_data": 2, "dry_run_topology": "v5e:2x2", "dry_run_num_slices": 2})
     check_slices(config)
     target = targets.target("v5e:2x2", 2)
     assert target.num_slices == 2 and len(target.devices) == 8
@@ -193,6 +193,20 @@ def test_a_program_that_does_not_fit_is_reported_with_the_compilers_figure_not_a
     from fbt_jax.train.programs import describe
 
     assert describe(report["train_K1"], programs.refused["train_K1"]).startswith("does not fit (refused in ")
+
+
+@needs_libtpu
+def test_making_a_target_leaves_the_environment_as_it_was():
+    """libtpu writes its metadata warnings into the environment (TPU_WORKER_ID="WARNING: …"): every
+    later command of the process (fbt-prepare reads TPU_WORKER_ID) would fail on them."""
+    import subprocess
+    import sys
+
+    check = "import os; from fbt_jax import targets; b = dict(os.environ); targets.target('v5p:2x2x1'); "
+    check += "assert dict(os.environ) == b, set(os.environ.items()) ^ set(b.items())"
+    # In a fresh process: libtpu writes the environment when it first loads.
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_without_libtpu_a_topology_is_one_line_naming_the_install(monkeypatch):
