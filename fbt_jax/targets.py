@@ -101,6 +101,7 @@ def tpu_target(topology: str, num_slices: int = 1) -> Target:
     extra |= {"num_slices": num_slices} if num_slices > 1 else {}
     try:
         devices = list(topologies.get_topology_desc(platform="tpu", topology_name=topology, **extra).devices)
+        hbm = available_hbm_bytes(devices[0])  # the first compile: libtpu's compiler starts here
     except Exception as e:  # libtpu's INVALID_ARGUMENT: the shape is not one it builds
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(
@@ -108,9 +109,7 @@ def tpu_target(topology: str, num_slices: int = 1) -> Target:
             f"e.g. {TPU_EXAMPLES}"
         ) from None
     finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    hbm = available_hbm_bytes(devices[0])
+        restore_environment(saved)
     source = "available to programs, the compiler's figure"
     if hbm is None:  # a libtpu that words its refusal otherwise: the chip's nominal memory
         hbm, source = hardware.hbm_gib_of_kind(devices[0].device_kind) * 2**30, "the chip's nominal memory"
@@ -162,6 +161,23 @@ def available_hbm_bytes(device: Any) -> float | None:
         found = AVAILABLE_HBM.search(str(e))
         return float(found.group(1)) * 2**30 if found else None
     return None
+
+
+def restore_environment(saved: dict[str, str]) -> None:
+    """The process environment back to `saved`, also what libtpu set from C (setenv), which
+    os.environ does not see but every command this process starts would inherit."""
+    import ctypes
+
+    environ = ctypes.POINTER(ctypes.c_char_p).in_dll(ctypes.CDLL(None), "environ")
+    names, i = [], 0
+    while environ[i]:
+        names.append(environ[i].split(b"=", 1)[0].decode(errors="replace"))
+        i += 1
+    for name in names:
+        if name not in saved:
+            os.unsetenv(name)
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def _installed(distribution: str) -> str | None:

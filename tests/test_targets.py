@@ -202,8 +202,11 @@ def test_making_a_target_leaves_the_environment_as_it_was():
     import subprocess
     import sys
 
-    check = "import os; from fbt_jax import targets; b = dict(os.environ); targets.target('v5p:2x2x1'); "
-    check += "assert dict(os.environ) == b, set(os.environ.items()) ^ set(b.items())"
+    check = "import os, subprocess; from fbt_jax import targets; b = dict(os.environ); targets.target('v5p:2x2x1'); "
+    check += "assert dict(os.environ) == b, set(os.environ.items()) ^ set(b.items()); "
+    # What a command started from here inherits: also what libtpu set from C, unseen by os.environ.
+    check += "seen = subprocess.run(['env'], capture_output=True, text=True).stdout; "
+    check += "assert 'TPU_WORKER_ID' not in seen and 'CLOUD_TPU' not in seen, seen"
     # In a fresh process: libtpu writes the environment when it first loads.
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
