@@ -37,6 +37,7 @@ import summary
 
 from fbt_jax import contraction
 from fbt_jax.data.pipeline import make_source
+from fbt_jax.data.plan import plan_data
 from fbt_jax.evaluate import depth_sweep
 from fbt_jax.trained import load_model
 
@@ -52,7 +53,7 @@ def sweep_depths(rows: list[dict[str, Any]], max_depth: int, num_sequences: int)
     """Adds each row's depth sweep and monitor verdict (passes 4–7) on held-out sequences."""
     for row in rows:
         model, config = load_model(row["workdir"], log=lambda *_: None)
-        batch = make_source(config, "validation").examples(np.arange(num_sequences))
+        batch = make_source(plan_data(config), "validation").examples(np.arange(num_sequences))
         row["depth"] = depth_sweep(model, batch, max_depth, progress=False)
         sums = {f"{key}_{k}": row["depth"][key][k - 1] for key in ("change_sq", "state_sq") for k in range(4, 8)}
         row["monitor"] = contraction.summarize(sums, 4, 7)

@@ -30,6 +30,7 @@ import state_tracking
 import summary
 
 from fbt_jax.data.pipeline import make_source
+from fbt_jax.data.plan import plan_data
 from fbt_jax.probes import probes_by_position
 from fbt_jax.trained import load_model
 
@@ -42,8 +43,8 @@ SETTINGS = (("K1", "K=1 (no feedback)"), ("K2", "K=2 (one feedback pass)"), ("ex
 def probe(row: dict[str, Any], num_sequences: int) -> dict[str, Any]:
     model, config = load_model(row["workdir"], log=lambda *_: None)
     rows = np.arange(num_sequences)
-    train = make_source(config, "train").examples(rows)
-    test = make_source(config, "validation").examples(rows)
+    train = make_source(plan_data(config), "train").examples(rows)
+    test = make_source(plan_data(config), "validation").examples(rows)
     return probes_by_position(model, train, test, layer=0)
 
 

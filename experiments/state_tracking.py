@@ -34,6 +34,7 @@ import scales
 import summary
 
 from fbt_jax.data.pipeline import make_source
+from fbt_jax.data.plan import plan_data
 from fbt_jax.data.tasks import prompt_length
 from fbt_jax.evaluate import mode_metrics
 from fbt_jax.trained import load_model
@@ -44,7 +45,7 @@ MODES = ("standard", "soft", "fused")
 
 def evaluate_modes(row: dict[str, Any], num_sequences: int) -> dict[str, dict[str, float]]:
     model, config = load_model(row["workdir"], log=lambda *_: None)
-    batch = make_source(config, "validation").examples(np.arange(num_sequences))
+    batch = make_source(plan_data(config), "validation").examples(np.arange(num_sequences))
     return mode_metrics(model, batch, prompt_len=prompt_length(config.data.seq_len))
 
 

@@ -11,6 +11,9 @@ from typing import Any
 
 import ml_collections
 
+from fbt_jax import paths
+from fbt_jax.data.mixture import parse_mixture
+from fbt_jax.errors import ConfigError
 from fbt_jax.model import ModelConfig
 from fbt_jax.schedule import DEFAULT_SCHEDULE
 from fbt_jax.sharding import DEFAULT_RULES
@@ -168,3 +171,27 @@ def config_from_dict(record: dict[str, Any]) -> ml_collections.ConfigDict:
 
     apply(config, record)
     return config
+
+
+def resolve_config_paths(config: Any) -> None:
+    """Resolve every path field of a run config in place (see `paths.resolve`): relative paths mean
+    from where the command was started."""
+    for field, url_ok in paths.CONFIG_PATH_FIELDS:
+        section, _, name = field.rpartition(".")
+        owner = config[section] if section else config
+        value = paths.resolve(owner[name], f"--config.{field}")
+        if paths.is_url(value) and not url_ok:
+            raise ConfigError(f"--config.{field}={value!r} must be a local directory (a cache on each host)")
+        owner[name] = value
+    config.data.path = paths.resolve_inputs(config.data.path, "--config.data.path")
+    if config.data.get("mixture"):
+        parts = parse_mixture(config.data.mixture, "--config.data.mixture")
+        config.data.mixture = ",".join(
+            f"{name}={paths.resolve(path, '--config.data.mixture')}:{weight}" for name, path, weight in parts
+        )
+    cache = str(config.train.compilation_cache_dir)
+    if cache not in ("auto", ""):  # "auto" and "" (off) are not paths
+        config.train.compilation_cache_dir = paths.resolve(cache, "--config.train.compilation_cache_dir")
+    tokenizer = config.data.tokenizer
+    if tokenizer and tokenizer != "byte":
+        config.data.tokenizer = paths.resolve(tokenizer, "--config.data.tokenizer")

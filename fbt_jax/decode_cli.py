@@ -14,12 +14,17 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
 import numpy as np
 
 from fbt_jax import decode, paths
 from fbt_jax.errors import ArgumentParser, ConfigError, divert_library_noise, reported
+
+if TYPE_CHECKING:
+    from fbt_jax.data.plan import DataPlan
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -45,7 +50,8 @@ def main(argv: list[str] | None = None) -> None:
         args = parser.parse_args(argv)
         output = check_args(args)
         prompts = read_prompts(args)
-        from fbt_jax.train.services import use_run_cache
+        from fbt_jax.data.plan import plan_data
+        from fbt_jax.run_services import use_run_cache
         from fbt_jax.trained import load_model
 
         # Reading damaged checkpoints makes the storage libraries print tracebacks from their
@@ -55,10 +61,11 @@ def main(argv: list[str] | None = None) -> None:
         checkpoint = paths.resolve(args.checkpoint, "--checkpoint")
         model, config = load_model(checkpoint, log=lambda *_: None)
         use_run_cache(config, checkpoint, log=lambda line: print(line, file=sys.stderr))
-        encode, render = codec(config)
+        data = plan_data(config, read_data=False)  # the run's tokenizer and context; its data is not read
+        encode, render = codec(data)
         encoded = [encode(p) for p in prompts]
         lengths = np.array([len(e) for e in encoded])
-        context = args.context_len or config.data.seq_len
+        context = args.context_len or data.seq_len
         if args.max_new_tokens is None:  # fill the context the run trained on
             args.max_new_tokens = int(context - lengths.max())
             if args.max_new_tokens is not None and args.max_new_tokens < 1:
@@ -69,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         if lengths.max() + args.max_new_tokens > context:
             raise ConfigError(
                 f"a prompt of {lengths.max()} tokens + --max-new-tokens={args.max_new_tokens} exceeds the context of "
-                f"{context} tokens (the run trained on {config.data.seq_len}); shorten the prompt or the generation, "
+                f"{context} tokens (the run trained on {data.seq_len}); shorten the prompt or the generation, "
                 "or raise --context-len"
             )
         padded = np.zeros((len(encoded), lengths.max()), np.int32)
@@ -82,10 +89,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"--stop={stop} is outside the vocabulary [0, {vocab}); give a token id below {vocab}"
                 )
         stops = tuple(args.stop)
-        if config.data.source != "task":  # text: a generation ends with its document
-            from fbt_jax.data.tokenizers import load_tokenizer
-
-            stops += (load_tokenizer(config.data.tokenizer).eos_id,)
+        if data.source != "task":  # text: a generation ends with its document
+            stops += (data.tokenizer.eos_id,)
         cache_len = int(lengths.max()) + args.max_new_tokens
         decode.check_request(model, padded, lengths, cache_len - args.max_new_tokens, args.mode)
         tokens, counts = decode.generate(
@@ -167,9 +172,9 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def codec(config):
+def codec(data: DataPlan) -> tuple[Callable[[str], list[int]], Callable[[Any], str]]:
     """(encode prompt → ids, ids → text) for the run's data."""
-    if config.data.source == "task":
+    if data.source == "task":
 
         def encode(text: str) -> list[int]:
             try:
@@ -180,9 +185,7 @@ def codec(config):
                 ) from None
 
         return encode, lambda ids: " ".join(str(int(i)) for i in ids)
-    from fbt_jax.data.tokenizers import load_tokenizer
-
-    tokenizer = load_tokenizer(config.data.tokenizer)
+    tokenizer = data.tokenizer
     return tokenizer.encode_prompt, tokenizer.decode  # prompts: no end-of-document (a beginning one if it adds one)
 
 

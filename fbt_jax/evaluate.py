@@ -211,8 +211,9 @@ def evaluate(
     data_path: str = "",
 ) -> dict[str, Any]:
     from fbt_jax.data.pipeline import make_source
+    from fbt_jax.data.plan import plan_data
+    from fbt_jax.run_services import use_run_cache
     from fbt_jax.schedule import PassSchedule
-    from fbt_jax.train.services import use_run_cache
     from fbt_jax.trained import load_model
 
     model, config = load_model(checkpoint_path, log)
@@ -225,14 +226,15 @@ def evaluate(
         log(f"prepared text keeps its records' length {config.data.seq_len} (--seq-len applies to built-in tasks)")
     # From pass T on the states are the exact recurrence, so the default stops at T + 1 (the last
     # change 0 confirms it); up to 2T shows it settle, further would only repeat the same states.
-    seq_len = config.data.seq_len
+    data = plan_data(config)  # the run's data settings, as evaluated here
+    seq_len = data.seq_len
     depths = depths or seq_len + 1
     if depths > 2 * seq_len:
         raise ConfigError(
             f"--max-depth={depths} exceeds twice the evaluation length {seq_len}: from pass {seq_len} on the states "
             f"are exact and stop changing; use --max-depth <= {2 * seq_len} or a longer --seq-len"
         )
-    source = make_source(config, "validation")
+    source = make_source(data, "validation")
     if len(source) < batch_size:
         log(f"the validation split has {len(source)} examples; evaluating on all of them")
         batch_size = len(source)
@@ -251,17 +253,15 @@ def evaluate(
     if getattr(source, "packed", False):
         # The cached decode path runs one document per row; packed rows hold several.
         report["sequential"] = {"skipped": "packed text: the sequential profile needs one document per row"}
-        from fbt_jax.data.tokenizers import load_tokenizer
-
-        report["samples"] = text_samples(model, batch, load_tokenizer(config.data.tokenizer))
+        report["samples"] = text_samples(model, batch, data.tokenizer)
     else:
         report["sequential"] = {k: v.tolist() for k, v in sequential_profile(model, batch).items()}
-    if config.data.source == "task":
-        report["modes"] = mode_metrics(model, batch, prompt_len=prompt_length(config.data.seq_len))
-        if config.data.task in ("word_problem", "delayed_recall") and not model.cfg.scan_layers:
+    if data.source == "task":
+        report["modes"] = mode_metrics(model, batch, prompt_len=prompt_length(seq_len))
+        if data.task.task in ("word_problem", "delayed_recall") and not model.cfg.scan_layers:
             # Probes fit D weights per class: they need more rows than the sweep (one probe per position).
             probe_rows = np.arange(probe_examples)
-            train, test = make_source(config, "train").examples(probe_rows), source.examples(probe_rows)
+            train, test = make_source(data, "train").examples(probe_rows), source.examples(probe_rows)
             log(f"probes: {probe_examples} training and {probe_examples} validation sequences")
             report["probes"] = probes(model, train, test)
             report["probes_by_position"] = probes_by_position(model, train, test)

@@ -143,31 +143,6 @@ CONFIG_PATH_FIELDS = (
 )
 
 
-def resolve_config_paths(config: Any) -> None:
-    """Resolve every path field of a run config in place (see `resolve`)."""
-    for field, url_ok in CONFIG_PATH_FIELDS:
-        section, _, name = field.rpartition(".")
-        owner = config[section] if section else config
-        value = resolve(owner[name], f"--config.{field}")
-        if is_url(value) and not url_ok:
-            raise ConfigError(f"--config.{field}={value!r} must be a local directory (a cache on each host)")
-        owner[name] = value
-    config.data.path = resolve_inputs(config.data.path, "--config.data.path")
-    if config.data.get("mixture"):
-        from fbt_jax.data.mixture import parse_mixture
-
-        parts = parse_mixture(config.data.mixture, "--config.data.mixture")
-        config.data.mixture = ",".join(
-            f"{name}={resolve(path, '--config.data.mixture')}:{weight}" for name, path, weight in parts
-        )
-    cache = str(config.train.compilation_cache_dir)
-    if cache not in ("auto", ""):  # "auto" and "" (off) are not paths
-        config.train.compilation_cache_dir = resolve(cache, "--config.train.compilation_cache_dir")
-    tokenizer = config.data.tokenizer
-    if tokenizer and tokenizer != "byte":
-        config.data.tokenizer = resolve(tokenizer, "--config.data.tokenizer")
-
-
 # Directories a run writes into, checked before any work: a file in their place is an error.
 CONFIG_OUTPUT_DIRS = ("workdir", "checkpoint.dir", "data.cache_dir")
 

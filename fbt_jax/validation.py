@@ -10,14 +10,14 @@ import os
 import ml_collections
 
 from fbt_jax import paths
-from fbt_jax.data.pipeline import validate_data
+from fbt_jax.data.plan import DataPlan, plan_data
 from fbt_jax.errors import ConfigError
 from fbt_jax.hardware import chip_hbm_gib
 from fbt_jax.metrics import check_metrics_config
 from fbt_jax.model import ModelConfig
+from fbt_jax.run_services import parse_profile_steps
 from fbt_jax.schedule import PassSchedule
 from fbt_jax.sharding import BATCH_AXIS, MESH_AXES, mesh_shape, parse_rules
-from fbt_jax.train.services import parse_profile_steps
 
 
 def _leaves(config: ml_collections.ConfigDict, prefix: str = "") -> list[tuple[str, object]]:
@@ -45,11 +45,14 @@ def _fixed_mesh_size(mesh: ml_collections.ConfigDict) -> int:
     return size
 
 
-def validate_config(config: ml_collections.ConfigDict, num_devices: int | None = None) -> PassSchedule:
+def validate_config(
+    config: ml_collections.ConfigDict, num_devices: int | None = None, data: DataPlan | None = None
+) -> PassSchedule:
     """Check every field before any expensive work; returns the parsed pass schedule.
 
     With `num_devices` None the device-dependent checks (mesh sizes, batch divisibility) are
-    skipped: the command line runs them once the devices are known.
+    skipped: the command line runs them once the devices are known. `data` is the run's data plan
+    where the caller resolved it already (`plan_data`).
     """
     _require(bool(config.workdir), "workdir is empty; set --config.workdir=<directory for outputs>")
     for field, value in _leaves(config):
@@ -65,11 +68,12 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
 
     ModelConfig.from_config(m).check()
 
-    data_vocab, what = validate_data(config)
+    data = data or plan_data(config)
+    d.tokenizer = data.tokenizer_spec  # the run's record names the tokenizer its data was prepared with
     _require(
-        m.vocab_size >= data_vocab,
-        f"model.vocab_size={m.vocab_size} is smaller than the data's vocabulary ({data_vocab} tokens for "
-        f"{what}); set --config.model.vocab_size={data_vocab} or larger",
+        m.vocab_size >= data.vocab_size,
+        f"model.vocab_size={m.vocab_size} is smaller than the data's vocabulary ({data.vocab_size} tokens for "
+        f"{data.vocab_origin}); set --config.model.vocab_size={data.vocab_size} or larger",
     )
     _require(d.num_workers >= 0 and d.prefetch >= 0, "data.num_workers and data.prefetch must be >= 0")
 

@@ -32,6 +32,7 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from scheduling import pytest_collection_modifyitems  # noqa: E402, F401  (how the workers share the suite)
 
 from fbt_jax.model import ModelConfig, build_model  # noqa: E402
 

@@ -6,6 +6,7 @@ shortening override appended), or carries a visible `# needs: <what>` marker (a 
 a bucket). A new command that is neither fails `test_every_documented_command_is_run_or_marked`.
 """
 
+import contextlib
 import glob
 import os
 import re
@@ -14,7 +15,7 @@ import shutil
 import pytest
 from conftest import ROOT, cpu_env, run_command
 
-DOCS = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+DOCS = ["README.md", "DEVELOPING.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]
 NEEDS = re.compile(r"#\s*needs:\s*\S")
 FENCE = re.compile(r"^```(\S*)\s*$")
 CI_COMMAND = 'pip install -e ".[test]" && python -m pytest'  # .ci/run's own command: checked, not rerun
@@ -22,61 +23,62 @@ DRY_RUN_K1 = (
     "--config.passes.schedule=0:1 --config.dry_run_chip= --config.eval.num_batches=0 --config.eval.contraction_passes=0"
 )
 
-# (doc, command as written, what to append, text the output must contain), in the order a reader
-# runs them: later commands use the runs that earlier ones made (runs/tiny, runs/text).
+# (chain, doc, command as written, what to append, text the output must contain), in the order a
+# reader runs them: later commands of a chain use the runs that earlier ones made (runs/tiny,
+# runs/text); chains share nothing, so they run side by side.
 RUNS = [
     (
-        "README.md",
+        "tiny", "README.md",
         "pip install -e . && fbt-train --config=configs/tiny.py",
         "--config.train.steps=300",
         "trained 300 steps",
     ),
     (
-        "docs/checkpointing.md",
+        "tiny", "docs/checkpointing.md",
         "fbt-train --config=configs/tiny.py --config.workdir=runs/tiny       # kill it at any moment …",
         "--config.train.steps=345",
         "resuming from checkpoint",
     ),
     (
-        "docs/checkpointing.md",
+        "tiny", "docs/checkpointing.md",
         "fbt-train --config=configs/tiny.py --config.workdir=runs/tiny       # … and run it again: it resumes",
         "--config.train.steps=360",
         "resuming from checkpoint",
     ),
     (
-        "docs/decoding.md",
+        "tiny", "docs/decoding.md",
         'fbt-decode --checkpoint=runs/tiny --mode=soft --prompt="3 1 4 1 5" --max-new-tokens=8',
         "",
         '"mode": "soft"',
     ),
-    ("docs/decoding.md", "fbt-eval --checkpoint=runs/tiny --output=runs/tiny/eval", "", "wrote "),
+    ("tiny", "docs/decoding.md", "fbt-eval --checkpoint=runs/tiny --output=runs/tiny/eval", "", "wrote "),
     (
-        "docs/decoding.md",
+        "tiny", "docs/decoding.md",
         "fbt-eval --checkpoint=runs/tiny --tasks=word_problem --output=runs/tiny/generative",
         "",
         "| word_problem | soft | 256 |",
     ),
     (
-        "docs/operations.md",
+        "short-runs", "docs/operations.md",
         "fbt-train --config=configs/tiny.py --config.workdir=runs/profiled --config.train.steps=100 --config.train.profile_steps=60:62",
         "",
         "profile: trace written to",
     ),
     (
-        "docs/config.md",
+        "short-runs", "docs/config.md",
         'fbt-train --config=configs/tiny.py --config.workdir=runs/schedule --config.train.steps=100 --config.passes.schedule="0:1; 0.5:2"',
         "",
         "trained 100 steps",
     ),
     (
-        "docs/data.md",
+        "text", "docs/data.md",
         "fbt-train-tokenizer --input=\"$(python -c 'import os; print(os.path.dirname(os.__file__))')/*.py\" "
         "--vocab-size=1024 --output=prepared/stdlib-bpe/tokenizer.json",
         "",
         "1,024 ids",
     ),
     (
-        "docs/data.md",
+        "text", "docs/data.md",
         "for i in 0 1; do fbt-prepare --input=\"$(python -c 'import os; print(os.path.dirname(os.__file__))')/*.py\" "
         "--tokenizer=prepared/stdlib-bpe/tokenizer.json --output=prepared/stdlib-128 --seq-len=128 "
         "--validation-fraction=0.1 --workers=2 --num-shards=2 --shard-index=$i; done",
@@ -84,48 +86,48 @@ RUNS = [
         "validation records",
     ),
     (
-        "docs/data.md",
+        "text", "docs/data.md",
         "fbt-train --config=configs/tiny.py --config.workdir=runs/text --config.data.source=text "
         "--config.data.path=prepared/stdlib-128 --config.data.seq_len=128 --config.model.vocab_size=1024",
         "--config.train.steps=60 --config.passes.schedule='0:1;0.9:2'",  # two train programs: fbt-eval --tasks decodes soft
         "trained 60 steps",
     ),
     (
-        "docs/data.md",
+        "text", "docs/data.md",
         'fbt-decode --checkpoint=runs/text --mode=soft --prompt="import os" --max-new-tokens=24',
         "",
         '"prompt": "import os"',
     ),
     (
-        "docs/data.md",
+        "text", "docs/data.md",
         "fbt-eval --checkpoint=runs/text --output=runs/text/eval --max-depth=4 --batch-size=4",
         "",
         "    soft | …",
     ),
     (
-        "docs/decoding.md",
+        "text", "docs/decoding.md",
         "fbt-eval --checkpoint=runs/text --tasks=gsm8k@tests/evals/gsm8k_style.jsonl,mbpp@tests/evals/mbpp_style.jsonl "
         "--max-new-tokens=32 --context-len=512 --output=runs/text/generative",
         "",
         "| mbpp | fused | 4 |",
     ),
     (
-        "docs/evaluation.md",
+        "text", "docs/evaluation.md",
         "fbt-eval --checkpoint=runs/text --harness=tiny_mc,tiny_ppl,tiny_gen --harness-include=tests/harness "
         "--output=runs/text/harness",
         "",
         "| tiny_mc | soft | acc |",
     ),
     (
-        "docs/data.md",
+        "launchers", "docs/data.md",
         "DRY_RUN=1 SLURM_ARRAY_TASK_ID=0 SLURM_ARRAY_TASK_COUNT=16 bash launch/slurm_prepare.sbatch "
         "--input=corpus/*.jsonl --output=prepared/web --seq-len=2048",
         "",
         "task 0 of 16: fbt-prepare --input=corpus/\\*.jsonl --output=prepared/web --seq-len=2048 --workers=",
     ),
-    ("docs/decoding.md", "printf 'import json\\ndef main(\\n' > prompts.txt", "", ""),
+    ("text", "docs/decoding.md", "printf 'import json\\ndef main(\\n' > prompts.txt", "", ""),
     (
-        "docs/decoding.md",
+        "text", "docs/decoding.md",
         "fbt-decode --checkpoint=runs/text --mode=fused --prompts-file=prompts.txt --temperature=0.8 --top-p=0.95 "
         "--output=gen.jsonl",
         "",
@@ -133,80 +135,80 @@ RUNS = [
     ),
     # The 1B dry runs compile one program instead of six (K=1 only, no memory-fit table): the
     # whole dry run as written is tests/test_dry_run.py's (it took 70 s + 91 s of this test's 9 min).
-    ("docs/launch.md", "fbt-train --config=configs/fbt_1b.py --config.dry_run=True", DRY_RUN_K1, "dry run complete"),
+    ("dry-run-cpu", "docs/launch.md", "fbt-train --config=configs/fbt_1b.py --config.dry_run=True", DRY_RUN_K1, "dry run complete"),
     # For the slice: the TPU compiler (libtpu, the test extra's), the 1B model at 2 layers, K=1 only,
     # a batch too small for the memory table's second compile (the full dry run is
     # benchmarks/dry_run_memory.py --topology=v5e:8x8's, 13 min).
     (
-        "docs/launch.md",
+        "dry-run-tpu", "docs/launch.md",
         "fbt-train --config=configs/fbt_1b.py --config.dry_run=True --config.dry_run_topology=v5e:8x8",
         DRY_RUN_K1 + " --config.model.num_layers=2 --config.train.batch_size=128",
         "Mosaic kernel calls",
     ),
     (
-        "docs/performance.md",
+        "dry-run-splash", "docs/performance.md",
         "fbt-train --config=configs/fbt_1b.py --config.dry_run=True --config.model.attention_impl=splash",
         DRY_RUN_K1,
         "attention: splash",
     ),
     (
-        "docs/sweeps.md",
+        "sweeps", "docs/sweeps.md",
         "fbt-sweep run configs/sweeps/tiny_mixtures.py",
         "--override=train.steps=60 --override=optimizer.warmup_steps=5 --override=checkpoint.every_steps=20 "
         "--override=eval.every_steps=20 --parallel=2",
         "done; next: fbt-sweep report",
     ),
-    ("docs/sweeps.md", "fbt-sweep status", "", "schedule=paper,seed=1"),
-    ("docs/sweeps.md", "fbt-sweep report", "", "results.md"),
+    ("sweeps", "docs/sweeps.md", "fbt-sweep status", "", "schedule=paper,seed=1"),
+    ("sweeps", "docs/sweeps.md", "fbt-sweep report", "", "results.md"),
     (
-        "docs/sweeps.md",
+        "sweeps", "docs/sweeps.md",
         'fbt-sweep print configs/sweeps/tiny_mixtures.py --dir=runs/sweeps/tpu --launcher=tpu_pod --launcher-args="my-v5p-128 us-east5-a"',
         "",
         "launch/tpu_pod.sh my-v5p-128 us-east5-a --config=",
     ),
     (
-        "docs/launch.md",
+        "launchers", "docs/launch.md",
         "launch/local.sh 2 --config=configs/tiny.py --config.workdir=runs/local2",
         "--config.train.steps=60",
         "trained 60 steps",
     ),
     (
-        "docs/launch.md",
+        "launchers", "docs/launch.md",
         "launch/tpu_pod.sh --dry-run my-v5p-128 us-east5-a --config=configs/fbt_1b.py --config.workdir=gs://bucket/runs/1b",
         "",
         "gcloud compute tpus tpu-vm ssh my-v5p-128",
     ),
-    ("docs/launch.md", "DRY_RUN=1 bash launch/slurm_gpu.sbatch --config=configs/fbt_1b.py", "", "srun"),
-    ("docs/interop.md", "fbt-import tests/interop/reference/llama runs/llama-tiny", "", "wrote "),
+    ("launchers", "docs/launch.md", "DRY_RUN=1 bash launch/slurm_gpu.sbatch --config=configs/fbt_1b.py", "", "srun"),
+    ("interop", "docs/interop.md", "fbt-import tests/interop/reference/llama runs/llama-tiny", "", "wrote "),
     (
-        "docs/interop.md",
+        "interop", "docs/interop.md",
         "fbt-prepare --input=\"$(python -c 'import os; print(os.path.dirname(os.__file__))')/*.py\" "
         "--tokenizer=runs/llama-tiny/tokenizer --output=prepared/llama-tiny-64 --seq-len=64 --validation-fraction=0.1",
         "",
         "vocab 128",
     ),
     (
-        "docs/interop.md",
+        "interop", "docs/interop.md",
         "fbt-eval --checkpoint=runs/llama-tiny --data-path=prepared/llama-tiny-64 --output=runs/llama-tiny/eval "
         "--max-depth=4 --batch-size=4",
         "",
         "loss at depth 1 / 4",
     ),
     (
-        "docs/interop.md",
+        "interop", "docs/interop.md",
         "fbt-train --config=configs/upcycle.py:runs/llama-tiny --config.data.path=prepared/llama-tiny-64   # kill it at any moment …",
         "--config.train.steps=20 --config.optimizer.warmup_steps=5 --config.eval.every_steps=10 --config.eval.num_batches=1",
         "initialised parameters from",
     ),
     (
-        "docs/interop.md",
+        "interop", "docs/interop.md",
         "fbt-train --config=configs/upcycle.py:runs/llama-tiny --config.data.path=prepared/llama-tiny-64   # … and run it again: it resumes",
         "--config.train.steps=30 --config.optimizer.warmup_steps=5 --config.eval.every_steps=10 --config.eval.num_batches=1",
         "resuming from checkpoint",
     ),
     *(
         (
-            "docs/interop.md",
+            "interop", "docs/interop.md",
             f'fbt-decode --checkpoint=runs/llama-tiny-feedback --mode={mode} --prompt="import os" --max-new-tokens=16',
             "",
             f'"mode": "{mode}"',
@@ -214,35 +216,33 @@ RUNS = [
         for mode in ("standard", "soft", "fused")
     ),
     (
-        "docs/interop.md",
+        "interop", "docs/interop.md",
         "fbt-eval --checkpoint=runs/llama-tiny-feedback --output=runs/llama-tiny-feedback/eval --max-depth=4 --batch-size=4",
         "",
         "    soft | …",
     ),
     (
-        "docs/interop.md",
+        "interop", "docs/interop.md",
         "fbt-export runs/llama-tiny-feedback runs/llama-tiny-feedback-hf",
         "",
         "LlamaForCausalLM in float32",
     ),
 ]
-# What those commands create in the checkout (kept aside beforehand, removed afterwards).
-CREATED = [
-    "runs/tiny",
-    "runs/profiled",  # docs/operations.md's profiled run (left behind, it made a second run of this test resume it)
-    "runs/schedule",
-    "runs/text",
-    "runs/local2",
-    "runs/llama-tiny",
-    "runs/llama-tiny-feedback",
-    "runs/llama-tiny-feedback-hf",
-    "prepared/llama-tiny-64",
-    "runs/sweeps",
-    "prepared/stdlib-bpe",
-    "prepared/stdlib-128",
-    "prompts.txt",
-    "gen.jsonl",
-]
+# What each chain of commands creates in the checkout (kept aside beforehand, removed afterwards).
+CREATED = {
+    "tiny": ["runs/tiny"],
+    # docs/operations.md's profiled run (left behind, it made a second run of this test resume it)
+    "short-runs": ["runs/profiled", "runs/schedule"],
+    "text": ["runs/text", "prepared/stdlib-bpe", "prepared/stdlib-128", "prompts.txt", "gen.jsonl"],
+    "launchers": ["runs/local2"],
+    "sweeps": ["runs/sweeps"],
+    "interop": ["runs/llama-tiny", "runs/llama-tiny-feedback", "runs/llama-tiny-feedback-hf", "prepared/llama-tiny-64"],
+    "dry-run-cpu": [],
+    "dry-run-tpu": [],
+    "dry-run-splash": [],
+}
+# Each chain is a test of its own, so that pytest-xdist's workers share them (tests/scheduling.py).
+XDIST_SPLIT = True
 
 
 def documented_commands():
@@ -286,7 +286,7 @@ def test_code_blocks_are_fenced_and_typed():
 
 
 def test_every_documented_command_is_run_or_marked():
-    registered = {(doc, command) for doc, command, _, _ in RUNS}
+    registered = {(doc, command) for _, doc, command, _, _ in RUNS}
     for doc, number, command in documented_commands():
         if command == CI_COMMAND:
             assert CI_COMMAND in open(os.path.join(ROOT, ".ci", "run")).read(), (
@@ -315,18 +315,19 @@ def test_figures_in_docs_come_from_their_scripts():
 
 
 @pytest.fixture
-def checkout_outputs():
-    """Keep aside what the documented commands would overwrite in the checkout, and put it back."""
-    stash = os.path.join(ROOT, "runs", f".docs-test-stash-{os.getpid()}")
+def checkout_outputs(request):
+    """Keep aside what a chain of documented commands would overwrite in the checkout, and put it back."""
+    created = CREATED[request.param]
+    stash = os.path.join(ROOT, "runs", f".docs-test-stash-{os.getpid()}-{request.param}")
     kept = []
-    for path in CREATED:
+    for path in created:
         if os.path.exists(os.path.join(ROOT, path)):
             os.makedirs(os.path.dirname(os.path.join(stash, path)), exist_ok=True)
             shutil.move(os.path.join(ROOT, path), os.path.join(stash, path))
             kept.append(path)
     made_dirs = [d for d in ("runs", "prepared") if not os.path.exists(os.path.join(ROOT, d))]
-    yield
-    for path in CREATED:
+    yield request.param
+    for path in created:
         full = os.path.join(ROOT, path)
         if os.path.isdir(full):
             shutil.rmtree(full)
@@ -335,14 +336,20 @@ def checkout_outputs():
     for path in kept:
         shutil.move(os.path.join(stash, path), os.path.join(ROOT, path))
     shutil.rmtree(stash, ignore_errors=True)
-    for d in made_dirs:
-        if os.path.isdir(os.path.join(ROOT, d)) and not os.listdir(os.path.join(ROOT, d)):
+    for d in made_dirs:  # another chain may still be writing there: only an empty directory goes
+        with contextlib.suppress(OSError):
             os.rmdir(os.path.join(ROOT, d))
 
 
+def test_every_chain_says_what_it_creates():
+    assert {chain for chain, *_ in RUNS} == set(CREATED)
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("checkout_outputs", list(CREATED), indirect=True)
 def test_documented_commands_work_as_written(checkout_outputs):
-    for doc, command, append, expected in RUNS:
+    chain = checkout_outputs
+    for doc, command, append, expected in [run[1:] for run in RUNS if run[0] == chain]:
         line = f"{command} {append}".strip() if "#" not in command else command.replace("#", f"{append} #", 1)
         # As a user runs it: one CPU device (no XLA_FLAGS), this environment's commands on PATH.
         result = run_command(["bash", "-c", line], cpu_env(None), timeout=900)
@@ -351,7 +358,8 @@ def test_documented_commands_work_as_written(checkout_outputs):
         assert expected in output, f"{doc}: `{line}` did not print {expected!r}:\n{output[-3000:]}"
         if (doc, append) == ("README.md", "--config.train.steps=300"):  # its first checkpoint, before any resume
             assert os.path.isfile(os.path.join(ROOT, "runs", "tiny", "checkpoints", "300", "commit_success.txt"))
-    assert os.path.isfile(os.path.join(ROOT, "runs", "tiny", "eval", "report.json"))
+    if chain == "tiny":
+        assert os.path.isfile(os.path.join(ROOT, "runs", "tiny", "eval", "report.json"))
 
 
 @pytest.mark.slow

@@ -142,6 +142,7 @@ def config_for(prepared, **harness) -> object:
 def test_what_the_backend_would_refuse_is_refused_before_the_run_builds_anything(
     prepared, monkeypatch, harness, message
 ):
+    from fbt_jax.data.plan import plan_data
     from fbt_jax.validation import validate_config
 
     monkeypatch.chdir(ROOT)  # the tasks' relative data files
@@ -150,4 +151,4 @@ def test_what_the_backend_would_refuse_is_refused_before_the_run_builds_anything
     config.passes.schedule = "0:1"
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate_config(config)
-        harness_hook.check(config)
+        harness_hook.check(config, plan_data(config))

@@ -1,8 +1,11 @@
 """The package's layout is its architecture, and the docs describe it (issue #10).
 
 - no import circle between fbt_jax modules (module-level and function-level imports alike);
+- no import runs up a floor: every module stands on one of FLOORS, and imports only from its own
+  floor or those below it (reading a model does not depend on the training package; issue #45);
 - no module longer than MAX_LINES: a module is small enough to read in one sitting;
-- README's module table names every module, and only modules that exist;
+- docs/architecture.md's module table names every module, and only modules that exist, and its
+  floors table is FLOORS;
 - docs/config.md documents every config field with its default, and no field that does not exist.
 """
 
@@ -85,6 +88,98 @@ def import_graph() -> dict[str, set[str]]:
     return {name: imported_modules(path, known) - {"fbt_jax"} - {name} for name, path in modules.items()}
 
 
+# The house, ground floor first: a module imports only from its own floor and those below. A module
+# is placed by the longest prefix that names it (`fbt_jax.data` places every data module).
+FLOORS = (
+    (  # foundations: errors, files and the run directory, hardware, the schedule, run-time services
+        "fbt_jax.errors",
+        "fbt_jax.permissions",
+        "fbt_jax.progress",
+        "fbt_jax.paths",
+        "fbt_jax.workdir",
+        "fbt_jax.hardware",
+        "fbt_jax.targets",
+        "fbt_jax.distributed",
+        "fbt_jax.schedule",
+        "fbt_jax.metrics",
+        "fbt_jax.losses",
+        "fbt_jax.contraction",
+        "fbt_jax.run_services",
+        "fbt_jax.train.program_facts",
+    ),
+    ("fbt_jax.attention",),  # the attention kernels behind one interface
+    (  # the model and its math: layers, the K-pass objective, decoding, sharding, checkpoints
+        "fbt_jax.layers",
+        "fbt_jax.model",
+        "fbt_jax.feedback",
+        "fbt_jax.probes",
+        "fbt_jax.decode",
+        "fbt_jax.sharding",
+        "fbt_jax.flops",
+        "fbt_jax.checkpoint",
+    ),
+    ("fbt_jax.data",),  # files → documents → tokens → records → batches
+    ("fbt_jax.config", "fbt_jax.trained"),  # a run's config and a trained run read back
+    ("fbt_jax.interop",),  # Hugging Face checkpoints in and out
+    ("fbt_jax.evals", "fbt_jax.evaluate", "fbt_jax.decode_cli"),  # evaluation and decoding commands
+    ("fbt_jax.validation", "fbt_jax.train"),  # checking a run's config, then training it
+    ("fbt_jax.sweep",),  # sweeps of runs
+)
+
+
+def floor_of(module: str, floors=FLOORS) -> int | None:
+    """The floor a module stands on (its longest matching prefix), None if no floor names it."""
+    matches = [
+        (len(prefix), number)
+        for number, prefixes in enumerate(floors)
+        for prefix in prefixes
+        if module == prefix or module.startswith(prefix + ".")
+    ]
+    return max(matches)[1] if matches else None
+
+
+def arrows_up(graph: dict[str, set[str]], floors=FLOORS) -> list[str]:
+    """Every import in `graph` from a module to one on a higher floor, as "a (floor i) → b (floor j)"."""
+    return sorted(
+        f"{source} (floor {floor_of(source, floors)}) → {target} (floor {floor_of(target, floors)})"
+        for source, targets in graph.items()
+        for target in targets
+        if floor_of(target, floors) > floor_of(source, floors)
+    )
+
+
+def test_every_module_stands_on_a_floor():
+    unplaced = sorted(name for name in import_graph() if name != "fbt_jax" and floor_of(name) is None)
+    assert not unplaced, f"modules on no floor of tests/test_layout.py's FLOORS: {unplaced}; place each on one"
+
+
+def test_no_import_runs_up_a_floor():
+    graph = {name: targets for name, targets in import_graph().items() if name != "fbt_jax"}
+    up = arrows_up(graph)
+    assert not up, "imports that run up a floor (move what they use down, or the module up): " + "; ".join(up)
+
+
+def test_architecture_doc_shows_the_floors():
+    with open(os.path.join(ROOT, "docs", "architecture.md"), encoding="utf-8") as f:
+        rows = [line for line in f if re.match(r"\| \d+ \| `", line)]
+    documented = [
+        {"fbt_jax." + name.rstrip("/").replace("/", ".") for name in re.findall(r"`([^`]+)`", row.split("|")[2])}
+        for row in rows
+    ]
+    assert documented == [set(floor) for floor in FLOORS], "docs/architecture.md's floors table is not FLOORS"
+
+
+def test_floor_checker_finds_what_it_should():
+    floors = (("pkg.base",), ("pkg.model", "pkg.data.plan"), ("pkg.data", "pkg.train"))
+    assert floor_of("pkg.data.plan", floors) == 1 and floor_of("pkg.data.loader", floors) == 2
+    assert floor_of("pkg.database", floors) is None
+    assert arrows_up({"pkg.model": {"pkg.base"}, "pkg.train": {"pkg.model", "pkg.data"}}, floors) == []
+    assert arrows_up({"pkg.base": {"pkg.train.services"}, "pkg.data.plan": {"pkg.data.loader"}}, floors) == [
+        "pkg.base (floor 0) → pkg.train.services (floor 2)",
+        "pkg.data.plan (floor 1) → pkg.data.loader (floor 2)",
+    ]
+
+
 def test_no_import_circle():
     assert find_cycle(import_graph()) is None, " → ".join(find_cycle(import_graph()))
 
@@ -117,10 +212,10 @@ def test_module_is_small_enough_to_read_in_one_sitting(name):
     assert lines <= MAX_LINES, f"{name} has {lines} lines (> {MAX_LINES}): split it by concern"
 
 
-def readme_module_table() -> set[str]:
-    """Files named in the first column of README's module table (a second name in a cell is in
-    the first one's directory; a directory row names its files in the second column)."""
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+def module_table() -> set[str]:
+    """Files named in the first column of docs/architecture.md's module table (a second name in a
+    cell is in the first one's directory; a directory row names its files in the second column)."""
+    with open(os.path.join(ROOT, "docs", "architecture.md"), encoding="utf-8") as f:
         text = f.read()
     table = text[text.index("| module | what it holds |") :].split("\n\n")[0]
     named = set()
@@ -134,15 +229,15 @@ def readme_module_table() -> set[str]:
     return named
 
 
-def test_readme_module_table_names_every_module_and_nothing_else():
+def test_module_table_names_every_module_and_nothing_else():
     modules = {
         os.path.relpath(path, ROOT)
         for path in package_modules().values()
         if os.path.basename(path) not in ("__init__.py", "__main__.py")
     }
-    named = readme_module_table()
-    assert not modules - named, f"modules missing from README's module table: {sorted(modules - named)}"
-    assert not named - modules, f"README's module table names files that do not exist: {sorted(named - modules)}"
+    named = module_table()
+    assert not modules - named, f"modules missing from docs/architecture.md's module table: {sorted(modules - named)}"
+    assert not named - modules, f"docs/architecture.md's module table names files that do not exist: {sorted(named - modules)}"
 
 
 def config_fields(config, prefix: str = "") -> dict[str, object]:

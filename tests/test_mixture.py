@@ -7,6 +7,7 @@ from conftest import load_config, write_corpus
 
 from fbt_jax.data.mixture import Mixture, block_counts, parse_mixture
 from fbt_jax.data.pipeline import StepBatches, make_source
+from fbt_jax.data.plan import plan_data
 from fbt_jax.data.prepare import main as fbt_prepare
 from fbt_jax.errors import ConfigError
 
@@ -130,4 +131,4 @@ def test_mixed_datasets_must_share_seq_len(tmp_path, two_datasets, corpus):
     fbt_prepare([f"--input={corpus[0]}/*", f"--output={other}", "--seq-len=32"])
     config = mixture_config(tmp_path, {**two_datasets, "code": other})
     with pytest.raises(ConfigError, match=r"data.mixture: the datasets differ in seq_len"):
-        make_source(config, "train")
+        make_source(plan_data(config), "train")

@@ -11,6 +11,7 @@ import pytest
 from conftest import ROOT, cpu_env, last_line, load_config, run_command
 
 from fbt_jax import paths
+from fbt_jax.config import resolve_config_paths
 from fbt_jax.errors import ConfigError
 
 
@@ -21,7 +22,7 @@ def test_local_paths_become_absolute_from_the_starting_directory(tmp_path, monke
     assert paths.resolve("", "--config.init_from") == ""  # unset stays unset
     config = load_config("tiny")
     config.workdir, config.data.path, config.init_from = "runs/a", "corpus/*.txt", "../trunk"
-    paths.resolve_config_paths(config)
+    resolve_config_paths(config)
     assert config.workdir == str(tmp_path / "runs" / "a")
     assert config.data.path == str(tmp_path / "corpus" / "*.txt")  # globs too
     assert config.init_from == str(tmp_path.parent / "trunk")
@@ -53,7 +54,7 @@ def test_the_data_cache_must_be_local():
     config = load_config("tiny")
     config.data.cache_dir = "gs://bucket/cache"
     with pytest.raises(ConfigError, match="data.cache_dir.*must be a local directory"):
-        paths.resolve_config_paths(config)
+        resolve_config_paths(config)
 
 
 def test_a_read_only_workdir_is_named_before_its_compilation_cache(tmp_path, monkeypatch):
@@ -76,7 +77,7 @@ def test_a_read_only_workdir_is_named_before_its_compilation_cache(tmp_path, mon
 
 
 def test_a_compilation_cache_variable_is_named_as_the_variable(tmp_path, monkeypatch):
-    from fbt_jax.train import services
+    from fbt_jax import run_services as services
 
     config = load_config("tiny")
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path))

@@ -10,6 +10,7 @@ from conftest import load_config, set_fields, text_config
 
 from fbt_jax.data import records
 from fbt_jax.data.pipeline import StepBatches, batch_iterator, make_source
+from fbt_jax.data.plan import plan_data
 from fbt_jax.errors import ConfigError
 
 
@@ -57,9 +58,9 @@ def test_resumed_pipeline_continues_identically(prepared, num_workers):
 def test_text_source_prepares_on_first_use_and_trains(tmp_path, prepared):
     corpus, out, _ = prepared
     config = text_config(tmp_path, f"{corpus}/*")
-    source = make_source(config, "train")
+    source = make_source(plan_data(config), "train")
     assert source.vocab_size == 257 and len(source) == len(records.PackedRecords(out, "train"))
-    again = make_source(config, "train")  # cached: same directory, nothing rebuilt
+    again = make_source(plan_data(config), "train")  # cached: same directory, nothing rebuilt
     assert again.directory == source.directory
     from fbt_jax.train.trainer import Trainer
 
@@ -95,7 +96,7 @@ FbtTinyText(data_dir={data_dir!r}).download_and_prepare(file_format="array_recor
     config.data.tfds_data_dir = data_dir
     config.data.seq_len = 24
     config.model.vocab_size = 257
-    train, val = make_source(config, "train"), make_source(config, "validation")
+    train, val = make_source(plan_data(config), "train"), make_source(plan_data(config), "validation")
     meta = train.meta
     assert meta["source"]["kind"] == "tfds" and meta["documents"] == {"train": 40, "validation": 8}
     text = bytes(t for i in range(len(val)) for t, s in zip(*val._record(i)) if s > 0 and t < 256).decode()

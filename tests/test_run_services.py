@@ -12,8 +12,8 @@ import pytest
 from conftest import cpu_env, run_command, train_argv
 
 from fbt_jax.errors import ConfigError
+from fbt_jax.run_services import parse_profile_steps
 from fbt_jax.train import goodput
-from fbt_jax.train.services import parse_profile_steps
 
 
 def test_ledger_accounts_each_attempt_and_recomputed_steps_pro_rata(tmp_path):

@@ -42,12 +42,13 @@ def test_sentencepiece_tokenizer_by_path(tmp_path, corpus):
     config.data.tokenizer = model
     config.model.vocab_size = 32
     from fbt_jax.data.pipeline import make_source
+    from fbt_jax.data.plan import plan_data
     from fbt_jax.train.trainer import Trainer
 
     with pytest.raises(ConfigError, match="smaller than the data's vocabulary"):
         Trainer(config, log=lambda *_: None)
     config.model.vocab_size = 64
-    source = make_source(config, "train")
+    source = make_source(plan_data(config), "train")
     assert source.meta["tokenizer"].endswith("sp.model") and source.vocab_size <= 64
     assert 0 < int(source.example(0)["inputs"].max()) < source.vocab_size
 

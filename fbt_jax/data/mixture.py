@@ -28,7 +28,7 @@ MAX_BLOCK = 1000
 
 def parse_mixture(spec: str, flag: str = "data.mixture") -> list[tuple[str, str, float]]:
     """(name, path, weight) of each dataset of `[name=]path:weight,...` (paths as given: the
-    command line resolves them, `paths.resolve_config_paths`)."""
+    command line resolves them, `config.resolve_config_paths`)."""
     components = []
     for part in (p.strip() for p in spec.split(",")):
         name, has_name, rest = part.partition("=")

@@ -154,22 +154,13 @@ def _batches(documents: Iterator[tuple[str, str]]) -> Iterator[dict[str, list[st
         yield batch
 
 
-_TOKENIZERS: dict[str, Any] = {}
-
-
-def _tokenizer(spec: str) -> Any:
-    from fbt_jax.data.tokenizers import load_tokenizer
-
-    if spec not in _TOKENIZERS:
-        _TOKENIZERS[spec] = load_tokenizer(spec, "--tokenizer")
-    return _TOKENIZERS[spec]
-
-
 def prepare_unit(plan: dict[str, Any], output: str, unit: int) -> dict[str, Any]:
     """Prepare one unit into `output`: its records files, then its progress record; returns that."""
     from array_record.python.array_record_module import ArrayRecordWriter
 
-    tokenizer = _tokenizer(plan["tokenizer"])
+    from fbt_jax.data.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer(plan["tokenizer"], "--tokenizer")  # loaded once per process
     staging = tempfile.mkdtemp(prefix=f"unit-{unit_name(unit)}-", dir=_made(staging_dir(output)))
     try:
         drafts = {split: os.path.join(staging, f"{split}.array_record") for split in records.SPLIT_NAMES}

@@ -155,7 +155,7 @@ def prompt_length(seq_len: int) -> int:
 
 def make_task(config) -> SyntheticTask:
     """The task named by `config.data`, validated (one-line errors; seq_len is checked by the
-    pipeline's validate_data for every source)."""
+    data plan for every source, `plan.plan_data`)."""
     data = config.data
     if data.task not in TASKS:
         raise ConfigError(f"data.task={data.task!r} is unknown; use one of {TASKS}")

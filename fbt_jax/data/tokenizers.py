@@ -274,10 +274,31 @@ def _looks_like_json(path: str) -> bool:
         return False  # left to the SentencePiece loader, which names the reason
 
 
+_LOADED: dict[tuple, Tokenizer] = {}
+
+
 def load_tokenizer(spec: str, flag: str = "data.tokenizer") -> Tokenizer:
     """`"byte"`, a SentencePiece `.model` file, a Hugging Face `tokenizer.json`, or a directory saved by
     transformers' `save_pretrained` (its tokenizer.json, else its SentencePiece tokenizer.model); `flag` names the
-    setting in errors."""
+    setting in errors. Loaded once per process (again where its files changed)."""
+    key = (
+        spec,
+        *(_stamp(p) for p in (spec, os.path.join(spec, "tokenizer.json"), os.path.join(spec, "tokenizer.model"))),
+    )
+    if key not in _LOADED:
+        _LOADED[key] = _load(spec, flag)
+    return _LOADED[key]
+
+
+def _stamp(path: str) -> tuple[int, int] | None:
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return status.st_mtime_ns, status.st_size
+
+
+def _load(spec: str, flag: str) -> Tokenizer:
     if spec == "byte":
         return ByteTokenizer()
     if spec.endswith(".tiktoken"):

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from fbt_jax.data.tasks import TASKS, make_task, prompt_length
+from fbt_jax.data.plan import plan_data
+from fbt_jax.data.tasks import TASKS, prompt_length
 from fbt_jax.errors import ConfigError
 from fbt_jax.evals.spec import Problem, TaskSpec
 
@@ -38,7 +39,7 @@ def builtin_problems(name: str, config: Any, num_problems: int = 0) -> list[Prob
             f"built-in task {name} needs a checkpoint trained on it; this run trained on {trained} "
             f"(a run on a task is evaluated on its own task, a text run on spec files)"
         )
-    task = make_task(config)
+    task = plan_data(config, read_data=False).task
     rows = np.arange(num_problems or DEFAULT_PROBLEMS)
     batch = task.examples("validation", rows)
     prompt = prompt_length(task.seq_len)

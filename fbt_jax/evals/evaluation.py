@@ -15,7 +15,8 @@ def evaluate_tasks(
     checkpoint: str, output: str, settings: runner.EvalSettings, batch_size: int, progress: bool = True
 ) -> dict[str, Any]:
     """Generate, score and tabulate (continuing the generations already in `output`)."""
-    from fbt_jax.train.services import use_run_cache
+    from fbt_jax.data.plan import plan_data
+    from fbt_jax.run_services import use_run_cache
     from fbt_jax.trained import load_model_at
 
     def log(line: str) -> None:
@@ -23,11 +24,8 @@ def evaluate_tasks(
 
     model, config, step = load_model_at(checkpoint, log)
     runner.check_modes(config, step, settings.modes)
-    tokenizer = None
-    if config.data.source != "task":
-        from fbt_jax.data.tokenizers import load_tokenizer
-
-        tokenizer = load_tokenizer(config.data.tokenizer)
+    data = plan_data(config, read_data=False)  # the run's tokenizer; its data is not read
+    tokenizer = data.tokenizer if data.source != "task" else None
     tasks = runner.load_tasks(settings, config, tokenizer)
     identity = {"checkpoint": checkpoint, "step": step, **dataclasses.asdict(settings)}
     identity = json.loads(json.dumps(identity))  # tuples as lists, as read back

@@ -78,9 +78,10 @@ class Loaded:
             )
         if jax.process_count() > 1:
             raise ConfigError("the harness backend runs in one process, on its host's devices; start it in one process")
-        from fbt_jax.data.tokenizers import load_tokenizer
+        from fbt_jax.data.plan import plan_data
 
-        return cls(model, config, step, load_tokenizer(config.data.tokenizer), Generator(model))
+        tokenizer = plan_data(config, read_data=False).tokenizer  # the run's; its data is not read
+        return cls(model, config, step, tokenizer, Generator(model))
 
 
 def _batch_size(value: Any) -> int:

@@ -62,7 +62,7 @@ def evaluate_harness(checkpoint: str, output: str, settings: HarnessSettings, pr
 
 def _evaluate(checkpoint: str, output: str, settings: HarnessSettings, manager: Any, progress: bool) -> dict:
     from fbt_jax.evals.harness import FBTLM, Loaded, library_bars_on_terminal_only
-    from fbt_jax.train.services import use_run_cache
+    from fbt_jax.run_services import use_run_cache
 
     loaded = Loaded.read(checkpoint)  # each mode's backend checks the modes again on the step it read
     use_run_cache(loaded.config, checkpoint, lambda line: print(line, file=sys.stderr))

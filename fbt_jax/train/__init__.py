@@ -5,7 +5,6 @@
   ahead of time for every K, with their memory report (shared with the dry run);
 - `loop.py`: the loop, which orders steps and calls hooks;
 - `hooks.py`: logging and progress, checkpoints and preemption, evaluation, the profiler window;
-- `services.py`: run-time services: the persistent compilation cache, the profiler window's setting;
 - `goodput.py`: where each attempt's wall time went, and the run's goodput;
 - `trainer.py`: `Trainer`, which puts a run together (data, programs, state, loop);
 - `dry_run.py` and `cli.py`: the `fbt-train` command.

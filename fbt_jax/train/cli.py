@@ -16,6 +16,7 @@ from typing import Any
 import jax
 
 from fbt_jax import contraction, distributed, paths, workdir
+from fbt_jax.config import resolve_config_paths
 from fbt_jax.errors import EXIT_CODES, PREEMPTED_EXIT_CODE, Preempted, UsageError, divert_library_noise, reported
 from fbt_jax.train import goodput
 from fbt_jax.validation import validate_config
@@ -33,7 +34,7 @@ def main(argv: list[str]) -> None:
         logging.set_verbosity(logging.WARNING)
     config = flags.FLAGS.config
     with reported(PROG):
-        paths.resolve_config_paths(config)  # relative paths mean: from where the command was started
+        resolve_config_paths(config)  # relative paths mean: from where the command was started
         validate_config(config)  # everything that does not depend on the devices, before any set-up
         if config.dry_run:
             from fbt_jax.train.dry_run import dry_run  # imported late: it sets up simulated devices

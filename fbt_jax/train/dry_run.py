@@ -19,6 +19,7 @@ import jax
 import ml_collections
 
 from fbt_jax import attention, sharding, targets
+from fbt_jax.data.plan import plan_data
 from fbt_jax.errors import ConfigError
 from fbt_jax.flops import forward_flops, forward_flops_per_token
 from fbt_jax.hardware import chip_hbm_gib
@@ -44,12 +45,12 @@ def dry_run(config: ml_collections.ConfigDict) -> tuple[str, dict[str, dict[str,
             jax.config.update("jax_num_cpu_devices", int(config.dry_run_devices))
         devices = jax.devices()
     config = config.copy_and_resolve_references()
-    schedule = validate_config(config, num_devices=len(devices))
+    data = plan_data(config)
+    schedule = validate_config(config, num_devices=len(devices), data=data)
     lines: list[str] = []
-    packed = config.data.source != "task"  # text and TFDS sources are packed (segment ids, positions)
-    programs = TrainPrograms(config, schedule, devices, packed, log=lines.append)
+    programs = TrainPrograms(config, schedule, devices, data.packed, log=lines.append)
     programs.keep_going_out_of_memory = True
-    cfg, seq_len = programs.model_cfg, config.data.seq_len
+    cfg, seq_len = programs.model_cfg, data.seq_len
     state_bytes = sharding.per_device_bytes(programs.abstract_state, programs.state_shardings)
     param_bytes = sharding.per_device_bytes(programs.abstract_state.params, programs.state_shardings.params)
     platform = devices[0].platform

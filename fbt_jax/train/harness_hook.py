@@ -26,6 +26,7 @@ from typing import Any
 
 from flax import nnx
 
+from fbt_jax.data.plan import DataPlan
 from fbt_jax.errors import ConfigError, EvaluationFailed, Preempted, describe
 from fbt_jax.evals.harness_tasks import HarnessSettings
 from fbt_jax.train.loop import Hook, StepEnd
@@ -41,9 +42,10 @@ class Checked:
     settings: HarnessSettings
     manager: Any
     every_steps: int  # eval.harness_every_steps (0: the last step only)
+    data: DataPlan  # the run's data plan: its context length and tokenizer
 
 
-def check(config: Any) -> Checked | None:
+def check(config: Any, data: DataPlan) -> Checked | None:
     """What the harness would refuse about this run's tasks, refused now (None where it is off)."""
     import jax
 
@@ -55,7 +57,7 @@ def check(config: Any) -> Checked | None:
     if jax.process_count() > 1:
         raise ConfigError("--config.eval.harness_tasks runs in one process; evaluate the checkpoints with fbt-eval")
     manager, tasks = harness_tasks.load_tasks(settings)
-    harness_tasks.check_tasks(tasks, int(config.data.seq_len), "data.seq_len")
+    harness_tasks.check_tasks(tasks, data.seq_len, "data.seq_len")
     last = int(config.train.stop_at_step or config.train.steps)
     try:
         runner.check_modes(config, last, settings.modes)
@@ -65,7 +67,7 @@ def check(config: Any) -> Checked | None:
             f"draws no feedback pass (K >= 2) by step {last}, so the fusion never trains; use "
             "--config.eval.harness_modes=standard, or a schedule with feedback passes"
         ) from None
-    return Checked(settings, manager, int(config.eval.harness_every_steps))
+    return Checked(settings, manager, int(config.eval.harness_every_steps), data)
 
 
 def measures(checked: Checked, end: StepEnd) -> bool:
@@ -88,12 +90,10 @@ class HarnessEvaluator(Hook):
         stop_requested: Callable[[], bool],
         log: Callable[[str], None],
     ):
-        from fbt_jax.data.tokenizers import load_tokenizer
-
         self.config, self.checked, self.settings, self.manager = config, checked, checked.settings, checked.manager
         self.graphdef, self.writer, self.saver, self.log = graphdef, writer, saver, log
         self.stop_requested = stop_requested
-        self.tokenizer = load_tokenizer(config.data.tokenizer)
+        self.tokenizer = checked.data.tokenizer
         self.skipped: set[str] = set()
         self.generator = None  # this host's copy of the parameters, and the programs compiled for them
 

@@ -21,9 +21,9 @@ from flax import nnx
 
 from fbt_jax import attention, contraction, sharding
 from fbt_jax.model import ModelConfig, abstract_model, build_model
+from fbt_jax.run_services import CACHE_HITS
 from fbt_jax.schedule import PassSchedule
 from fbt_jax.train.program_facts import out_of_memory
-from fbt_jax.train.services import CACHE_HITS
 from fbt_jax.train.step import TrainState, contraction_step, eval_step, make_optimizer, step_settings, train_step
 
 

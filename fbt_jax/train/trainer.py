@@ -15,16 +15,17 @@ import jax
 import ml_collections
 import numpy as np
 
-from fbt_jax import checkpoint, contraction, distributed, paths, sharding, trained, workdir
+from fbt_jax import checkpoint, contraction, distributed, paths, run_services, sharding, trained, workdir
 from fbt_jax.data.mixture import Mixture
 from fbt_jax.data.pipeline import StepBatches, batch_iterator, make_source
+from fbt_jax.data.plan import DataPlan, plan_data
 from fbt_jax.errors import CheckpointError, ConfigError
 from fbt_jax.flops import train_step_flops
 from fbt_jax.hardware import peak_flops_per_device
 from fbt_jax.metrics import MetricsWriter
 from fbt_jax.model import count_params
 from fbt_jax.schedule import PassSchedule
-from fbt_jax.train import goodput, harness_hook, hooks, services
+from fbt_jax.train import goodput, harness_hook, hooks
 from fbt_jax.train.loop import run_steps
 from fbt_jax.train.programs import TrainPrograms
 from fbt_jax.train.step import TrainState, all_finite
@@ -38,21 +39,24 @@ class Trainer:
         self.config = config
         self.log = log if jax.process_index() == 0 else (lambda *_: None)
         devices = list(jax.devices() if devices is None else devices)
-        self.schedule: PassSchedule = validate_config(config, num_devices=len(devices))
+        self.data: DataPlan = plan_data(config)  # config.data resolved once; everything below takes the plan
+        self.schedule: PassSchedule = validate_config(config, num_devices=len(devices), data=self.data)
         # The harness's tasks, their data and what it would refuse, before any data, compile or write.
-        self.harness = harness_hook.check(config)
-        self.sources = {"train": make_source(config, "train")}
+        self.harness = harness_hook.check(config, self.data)
+        self.sources = {"train": make_source(self.data, "train")}
         e = config.eval
         if e.num_batches > 0 or (e.contraction_passes and e.contraction_every_steps):  # eval or the monitor
-            self.sources["validation"] = make_source(config, "validation")
+            self.sources["validation"] = make_source(self.data, "validation")
         data_vocab = self.sources["train"].vocab_size
         if data_vocab > config.model.vocab_size:  # prepared data is known only now
             raise ConfigError(
                 f"model.vocab_size={config.model.vocab_size} is smaller than the data's vocabulary "
                 f"({data_vocab}); set --config.model.vocab_size={data_vocab} or larger"
             )
-        cache_dir = services.compilation_cache_dir(config)
-        services.use_compilation_cache(cache_dir, services.compilation_cache_flag(config))  # before anything compiles
+        cache_dir = run_services.compilation_cache_dir(config)
+        run_services.use_compilation_cache(
+            cache_dir, run_services.compilation_cache_flag(config)
+        )  # before anything compiles
         self.programs = TrainPrograms(config, self.schedule, devices, self.sources["train"].packed, self.log)
         self.state: TrainState | None = None
         self._monitor_batch: dict[str, jax.Array] | None = None  # the contraction monitor's fixed batch
@@ -63,9 +67,9 @@ class Trainer:
     def step_batches(self, split: str, batch_size: int, source: Any = None) -> StepBatches:
         """step → this process's rows of that step's global batch of `split` (validation unshuffled),
         from `source` where given (one dataset of a mixture)."""
-        shuffle = self.config.data.shuffle and split == "train"
+        shuffle = self.data.shuffle and split == "train"
         source = self.sources[split] if source is None else source
-        return StepBatches(source, batch_size, tuple(self.process_rows(batch_size)), self.config.seed, shuffle)
+        return StepBatches(source, batch_size, tuple(self.process_rows(batch_size)), self.data.seed, shuffle)
 
     def to_global(self, local_rows: dict[str, np.ndarray], batch_size: int) -> dict[str, jax.Array]:
         return sharding.global_batch(local_rows, self.programs.batch_sharding, batch_size)
@@ -239,7 +243,7 @@ class Trainer:
         )
         peak_per_device, peak_source = self.peak_flops()
         self.log(f"MFU against {peak_source} × {self.programs.mesh.size} device(s)")
-        model_cfg, seq_len = self.programs.model_cfg, cfg.data.seq_len
+        model_cfg, seq_len = self.programs.model_cfg, self.data.seq_len
         throughput = hooks.Throughput(
             lambda k: train_step_flops(model_cfg, batch_size, seq_len, k),
             batch_size * seq_len,
@@ -261,10 +265,10 @@ class Trainer:
             run_hooks.append(goodput.Timed(evaluator, ledger, "eval"))
         if harness:
             run_hooks.append(goodput.Timed(harness, ledger, "eval"))
-        window = services.parse_profile_steps(cfg.train.profile_steps, cfg.train.steps)
+        window = run_services.parse_profile_steps(cfg.train.profile_steps, cfg.train.steps)
         if window:
             run_hooks.append(hooks.Profiler(window, run_dir.path("profile"), start_step, self.log))
-        d = cfg.data
+        d = self.data
         local_batches = batch_iterator(self.step_batches("train", batch_size), start_step, d.num_workers, d.prefetch)
         global_batches = ledger.batches(self.to_global(rows, batch_size) for rows in local_batches)
         preemption = hooks.PreemptionWatcher(checkpointer)

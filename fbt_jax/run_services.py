@@ -1,6 +1,8 @@
-"""Run-time services around the training loop, none of them part of its math: the persistent
-compilation cache (a restart loads its compiled programs instead of compiling them again) and the
-profiler window's setting (the hook that traces it is `hooks.Profiler`).
+"""Run-time services of the commands that compile (fbt-train, fbt-eval, fbt-decode, the harness),
+none of them part of the math: the persistent compilation cache (a restart loads its compiled
+programs instead of compiling them again) and the profiler window's setting (the hook that traces
+it is `train.hooks.Profiler`). A room on the ground floor, so that evaluation and validation use it
+without reaching up into the training package.
 
 The cache is JAX's own: the key covers the program, the compiler flags, the devices and the JAX
 version, so a cached program is the program that would have been compiled, and training resumed
