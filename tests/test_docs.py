@@ -15,7 +15,11 @@ import shutil
 import pytest
 from conftest import ROOT, cpu_env, run_command
 
-DOCS = ["README.md", "DEVELOPING.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+DOCS = [
+    "README.md",
+    "DEVELOPING.md",
+    *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))),
+]
 NEEDS = re.compile(r"#\s*needs:\s*\S")
 FENCE = re.compile(r"^```(\S*)\s*$")
 CI_COMMAND = 'pip install -e ".[test]" && python -m pytest'  # .ci/run's own command: checked, not rerun
@@ -28,57 +32,66 @@ DRY_RUN_K1 = (
 # runs/text); chains share nothing, so they run side by side.
 RUNS = [
     (
-        "tiny", "README.md",
+        "tiny",
+        "README.md",
         "pip install -e . && fbt-train --config=configs/tiny.py",
         "--config.train.steps=300",
         "trained 300 steps",
     ),
     (
-        "tiny", "docs/checkpointing.md",
+        "tiny",
+        "docs/checkpointing.md",
         "fbt-train --config=configs/tiny.py --config.workdir=runs/tiny       # kill it at any moment …",
         "--config.train.steps=345",
         "resuming from checkpoint",
     ),
     (
-        "tiny", "docs/checkpointing.md",
+        "tiny",
+        "docs/checkpointing.md",
         "fbt-train --config=configs/tiny.py --config.workdir=runs/tiny       # … and run it again: it resumes",
         "--config.train.steps=360",
         "resuming from checkpoint",
     ),
     (
-        "tiny", "docs/decoding.md",
+        "tiny",
+        "docs/decoding.md",
         'fbt-decode --checkpoint=runs/tiny --mode=soft --prompt="3 1 4 1 5" --max-new-tokens=8',
         "",
         '"mode": "soft"',
     ),
     ("tiny", "docs/decoding.md", "fbt-eval --checkpoint=runs/tiny --output=runs/tiny/eval", "", "wrote "),
     (
-        "tiny", "docs/decoding.md",
+        "tiny",
+        "docs/decoding.md",
         "fbt-eval --checkpoint=runs/tiny --tasks=word_problem --output=runs/tiny/generative",
         "",
         "| word_problem | soft | 256 |",
     ),
     (
-        "short-runs", "docs/operations.md",
+        "short-runs",
+        "docs/operations.md",
         "fbt-train --config=configs/tiny.py --config.workdir=runs/profiled --config.train.steps=100 --config.train.profile_steps=60:62",
         "",
         "profile: trace written to",
     ),
     (
-        "short-runs", "docs/config.md",
+        "short-runs",
+        "docs/config.md",
         'fbt-train --config=configs/tiny.py --config.workdir=runs/schedule --config.train.steps=100 --config.passes.schedule="0:1; 0.5:2"',
         "",
         "trained 100 steps",
     ),
     (
-        "text", "docs/data.md",
+        "text",
+        "docs/data.md",
         "fbt-train-tokenizer --input=\"$(python -c 'import os; print(os.path.dirname(os.__file__))')/*.py\" "
         "--vocab-size=1024 --output=prepared/stdlib-bpe/tokenizer.json",
         "",
         "1,024 ids",
     ),
     (
-        "text", "docs/data.md",
+        "text",
+        "docs/data.md",
         "for i in 0 1; do fbt-prepare --input=\"$(python -c 'import os; print(os.path.dirname(os.__file__))')/*.py\" "
         "--tokenizer=prepared/stdlib-bpe/tokenizer.json --output=prepared/stdlib-128 --seq-len=128 "
         "--validation-fraction=0.1 --workers=2 --num-shards=2 --shard-index=$i; done",
@@ -86,40 +99,46 @@ RUNS = [
         "validation records",
     ),
     (
-        "text", "docs/data.md",
+        "text",
+        "docs/data.md",
         "fbt-train --config=configs/tiny.py --config.workdir=runs/text --config.data.source=text "
         "--config.data.path=prepared/stdlib-128 --config.data.seq_len=128 --config.model.vocab_size=1024",
         "--config.train.steps=60 --config.passes.schedule='0:1;0.9:2'",  # two train programs: fbt-eval --tasks decodes soft
         "trained 60 steps",
     ),
     (
-        "text", "docs/data.md",
+        "text",
+        "docs/data.md",
         'fbt-decode --checkpoint=runs/text --mode=soft --prompt="import os" --max-new-tokens=24',
         "",
         '"prompt": "import os"',
     ),
     (
-        "text", "docs/data.md",
+        "text",
+        "docs/data.md",
         "fbt-eval --checkpoint=runs/text --output=runs/text/eval --max-depth=4 --batch-size=4",
         "",
         "    soft | …",
     ),
     (
-        "text", "docs/decoding.md",
+        "text",
+        "docs/decoding.md",
         "fbt-eval --checkpoint=runs/text --tasks=gsm8k@tests/evals/gsm8k_style.jsonl,mbpp@tests/evals/mbpp_style.jsonl "
         "--max-new-tokens=32 --context-len=512 --output=runs/text/generative",
         "",
         "| mbpp | fused | 4 |",
     ),
     (
-        "text", "docs/evaluation.md",
+        "text",
+        "docs/evaluation.md",
         "fbt-eval --checkpoint=runs/text --harness=tiny_mc,tiny_ppl,tiny_gen --harness-include=tests/harness "
         "--output=runs/text/harness",
         "",
         "| tiny_mc | soft | acc |",
     ),
     (
-        "launchers", "docs/data.md",
+        "launchers",
+        "docs/data.md",
         "DRY_RUN=1 SLURM_ARRAY_TASK_ID=0 SLURM_ARRAY_TASK_COUNT=16 bash launch/slurm_prepare.sbatch "
         "--input=corpus/*.jsonl --output=prepared/web --seq-len=2048",
         "",
@@ -127,7 +146,8 @@ RUNS = [
     ),
     ("text", "docs/decoding.md", "printf 'import json\\ndef main(\\n' > prompts.txt", "", ""),
     (
-        "text", "docs/decoding.md",
+        "text",
+        "docs/decoding.md",
         "fbt-decode --checkpoint=runs/text --mode=fused --prompts-file=prompts.txt --temperature=0.8 --top-p=0.95 "
         "--output=gen.jsonl",
         "",
@@ -135,24 +155,33 @@ RUNS = [
     ),
     # The 1B dry runs compile one program instead of six (K=1 only, no memory-fit table): the
     # whole dry run as written is tests/test_dry_run.py's (it took 70 s + 91 s of this test's 9 min).
-    ("dry-run-cpu", "docs/launch.md", "fbt-train --config=configs/fbt_1b.py --config.dry_run=True", DRY_RUN_K1, "dry run complete"),
+    (
+        "dry-run-cpu",
+        "docs/launch.md",
+        "fbt-train --config=configs/fbt_1b.py --config.dry_run=True",
+        DRY_RUN_K1,
+        "dry run complete",
+    ),
     # For the slice: the TPU compiler (libtpu, the test extra's), the 1B model at 2 layers, K=1 only,
     # a batch too small for the memory table's second compile (the full dry run is
     # benchmarks/dry_run_memory.py --topology=v5e:8x8's, 13 min).
     (
-        "dry-run-tpu", "docs/launch.md",
+        "dry-run-tpu",
+        "docs/launch.md",
         "fbt-train --config=configs/fbt_1b.py --config.dry_run=True --config.dry_run_topology=v5e:8x8",
         DRY_RUN_K1 + " --config.model.num_layers=2 --config.train.batch_size=128",
         "Mosaic kernel calls",
     ),
     (
-        "dry-run-splash", "docs/performance.md",
+        "dry-run-splash",
+        "docs/performance.md",
         "fbt-train --config=configs/fbt_1b.py --config.dry_run=True --config.model.attention_impl=splash",
         DRY_RUN_K1,
         "attention: splash",
     ),
     (
-        "sweeps", "docs/sweeps.md",
+        "sweeps",
+        "docs/sweeps.md",
         "fbt-sweep run configs/sweeps/tiny_mixtures.py",
         "--override=train.steps=60 --override=optimizer.warmup_steps=5 --override=checkpoint.every_steps=20 "
         "--override=eval.every_steps=20 --parallel=2",
@@ -161,19 +190,22 @@ RUNS = [
     ("sweeps", "docs/sweeps.md", "fbt-sweep status", "", "schedule=paper,seed=1"),
     ("sweeps", "docs/sweeps.md", "fbt-sweep report", "", "results.md"),
     (
-        "sweeps", "docs/sweeps.md",
+        "sweeps",
+        "docs/sweeps.md",
         'fbt-sweep print configs/sweeps/tiny_mixtures.py --dir=runs/sweeps/tpu --launcher=tpu_pod --launcher-args="my-v5p-128 us-east5-a"',
         "",
         "launch/tpu_pod.sh my-v5p-128 us-east5-a --config=",
     ),
     (
-        "launchers", "docs/launch.md",
+        "launchers",
+        "docs/launch.md",
         "launch/local.sh 2 --config=configs/tiny.py --config.workdir=runs/local2",
         "--config.train.steps=60",
         "trained 60 steps",
     ),
     (
-        "launchers", "docs/launch.md",
+        "launchers",
+        "docs/launch.md",
         "launch/tpu_pod.sh --dry-run my-v5p-128 us-east5-a --config=configs/fbt_1b.py --config.workdir=gs://bucket/runs/1b",
         "",
         "gcloud compute tpus tpu-vm ssh my-v5p-128",
@@ -181,34 +213,39 @@ RUNS = [
     ("launchers", "docs/launch.md", "DRY_RUN=1 bash launch/slurm_gpu.sbatch --config=configs/fbt_1b.py", "", "srun"),
     ("interop", "docs/interop.md", "fbt-import tests/interop/reference/llama runs/llama-tiny", "", "wrote "),
     (
-        "interop", "docs/interop.md",
+        "interop",
+        "docs/interop.md",
         "fbt-prepare --input=\"$(python -c 'import os; print(os.path.dirname(os.__file__))')/*.py\" "
         "--tokenizer=runs/llama-tiny/tokenizer --output=prepared/llama-tiny-64 --seq-len=64 --validation-fraction=0.1",
         "",
         "vocab 128",
     ),
     (
-        "interop", "docs/interop.md",
+        "interop",
+        "docs/interop.md",
         "fbt-eval --checkpoint=runs/llama-tiny --data-path=prepared/llama-tiny-64 --output=runs/llama-tiny/eval "
         "--max-depth=4 --batch-size=4",
         "",
         "loss at depth 1 / 4",
     ),
     (
-        "interop", "docs/interop.md",
+        "interop",
+        "docs/interop.md",
         "fbt-train --config=configs/upcycle.py:runs/llama-tiny --config.data.path=prepared/llama-tiny-64   # kill it at any moment …",
         "--config.train.steps=20 --config.optimizer.warmup_steps=5 --config.eval.every_steps=10 --config.eval.num_batches=1",
         "initialised parameters from",
     ),
     (
-        "interop", "docs/interop.md",
+        "interop",
+        "docs/interop.md",
         "fbt-train --config=configs/upcycle.py:runs/llama-tiny --config.data.path=prepared/llama-tiny-64   # … and run it again: it resumes",
         "--config.train.steps=30 --config.optimizer.warmup_steps=5 --config.eval.every_steps=10 --config.eval.num_batches=1",
         "resuming from checkpoint",
     ),
     *(
         (
-            "interop", "docs/interop.md",
+            "interop",
+            "docs/interop.md",
             f'fbt-decode --checkpoint=runs/llama-tiny-feedback --mode={mode} --prompt="import os" --max-new-tokens=16',
             "",
             f'"mode": "{mode}"',
@@ -216,13 +253,15 @@ RUNS = [
         for mode in ("standard", "soft", "fused")
     ),
     (
-        "interop", "docs/interop.md",
+        "interop",
+        "docs/interop.md",
         "fbt-eval --checkpoint=runs/llama-tiny-feedback --output=runs/llama-tiny-feedback/eval --max-depth=4 --batch-size=4",
         "",
         "    soft | …",
     ),
     (
-        "interop", "docs/interop.md",
+        "interop",
+        "docs/interop.md",
         "fbt-export runs/llama-tiny-feedback runs/llama-tiny-feedback-hf",
         "",
         "LlamaForCausalLM in float32",

@@ -237,7 +237,9 @@ def test_module_table_names_every_module_and_nothing_else():
     }
     named = module_table()
     assert not modules - named, f"modules missing from docs/architecture.md's module table: {sorted(modules - named)}"
-    assert not named - modules, f"docs/architecture.md's module table names files that do not exist: {sorted(named - modules)}"
+    assert not named - modules, (
+        f"docs/architecture.md's module table names files that do not exist: {sorted(named - modules)}"
+    )
 
 
 def config_fields(config, prefix: str = "") -> dict[str, object]:
