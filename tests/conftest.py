@@ -21,6 +21,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Likewise one directory for what the session fixtures make (trained runs, prepared data): the first
+# worker to need one makes it, the other waits and reads it (`made_once`).
+if "FBT_TEST_SHARED_DIR" not in os.environ:
+    os.environ["FBT_TEST_SHARED_DIR"] = tempfile.mkdtemp(prefix="fbt-jax-test-shared-")
+    atexit.register(shutil.rmtree, os.environ["FBT_TEST_SHARED_DIR"], ignore_errors=True)
 
 import glob  # noqa: E402
 import importlib.util  # noqa: E402
@@ -243,11 +248,27 @@ def write_corpus(directory, num_docs=60, seed=0):
     return docs
 
 
+def made_once(name: str, make) -> str:
+    """`<shared dir>/name`, made by `make(path)` once per pytest run however many workers ask (a file
+    lock; the others wait for it): for session fixtures that tests only read."""
+    import fcntl
+
+    root = os.environ["FBT_TEST_SHARED_DIR"]
+    path = os.path.join(root, name)
+    with open(os.path.join(root, f"{name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if `make` fails
+        if not os.path.exists(f"{path}.done"):
+            shutil.rmtree(path, ignore_errors=True)  # a failed attempt's leftovers
+            make(path)
+            open(f"{path}.done", "w").close()
+    return path
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """(directory, documents) of `write_corpus`; read only."""
-    directory = tmp_path_factory.mktemp("corpus")
-    return directory, write_corpus(directory)
+    documents = write_corpus(tmp_path_factory.mktemp("corpus"))  # seeded: the shared directory's documents
+    return made_once("corpus", write_corpus), documents
 
 
 @pytest.fixture(scope="session")
@@ -255,12 +276,14 @@ def prepared(corpus, tmp_path_factory):
     """(corpus directory, records directory, documents): the corpus prepared by fbt-prepare
     (seq_len 32, a fifth of the documents held out); read only."""
     directory, docs = corpus
-    out = str(tmp_path_factory.mktemp("prep") / "records")
-    result = run_command(
-        ["fbt-prepare", f"--input={directory}/*", f"--output={out}", "--seq-len=32", "--validation-fraction=0.2"]
-    )
-    assert result.returncode == 0, result.stderr
-    return directory, out, docs
+
+    def make(out: str) -> None:
+        result = run_command(
+            ["fbt-prepare", f"--input={directory}/*", f"--output={out}", "--seq-len=32", "--validation-fraction=0.2"]
+        )
+        assert result.returncode == 0, result.stderr
+
+    return directory, made_once("prepared-records", make), docs
 
 
 # The run the resume tests interrupt (SIGKILL, SIGTERM under the supervisor, a kill in a bucket): K
@@ -281,29 +304,26 @@ RESUME_ARGS = [
 @pytest.fixture(scope="session")
 def resume_reference(tmp_path_factory):
     """RESUME_ARGS run uninterrupted on one device: what every interrupted run must end equal to."""
-    workdir = str(tmp_path_factory.mktemp("resume") / "reference")
-    run_command(["fbt-train", *RESUME_ARGS, f"--config.workdir={workdir}"], cpu_env(1), check=True)
-    return workdir
+    return made_once(
+        "resume-reference",
+        lambda workdir: run_command(["fbt-train", *RESUME_ARGS, f"--config.workdir={workdir}"], cpu_env(1), check=True),
+    )
 
 
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory):
     """A tiny run trained by fbt-train for 40 steps (K up to 3), for fbt-eval and fbt-decode."""
-    workdir = str(tmp_path_factory.mktemp("eval") / "run")
-    run_command(
-        [
-            "fbt-train",
-            "--config=configs/tiny.py",
-            f"--config.workdir={workdir}",
-            "--config.train.steps=40",
-            "--config.optimizer.warmup_steps=4",
-            "--config.eval.num_batches=0",
-            "--config.passes.schedule=0:1;0.5:2=0.9,3=0.1",
-        ],
-        cpu_env(1),
-        check=True,
+    argv = [
+        "fbt-train",
+        "--config=configs/tiny.py",
+        "--config.train.steps=40",
+        "--config.optimizer.warmup_steps=4",
+        "--config.eval.num_batches=0",
+        "--config.passes.schedule=0:1;0.5:2=0.9,3=0.1",
+    ]
+    return made_once(
+        "trained-run", lambda workdir: run_command([*argv, f"--config.workdir={workdir}"], cpu_env(1), check=True)
     )
-    return workdir
 
 
 HARNESS_TASKS = os.path.join(ROOT, "tests", "harness")  # tiny local lm-evaluation-harness tasks

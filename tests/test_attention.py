@@ -54,6 +54,7 @@ def test_the_reference_mask_is_causal_segmented_and_windowed():
     assert np.array_equal(mask, np.array(expected, bool))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl, window", KERNEL_CASES + [("cudnn", 0), ("cudnn", 5)])
 @pytest.mark.parametrize("packed", [False, True])
 def test_each_implementation_equals_the_reference_forward_and_gradients(impl, window, packed):
@@ -100,6 +101,7 @@ def losses_and_grads(model: nnx.Module, batch: dict, fuse_from: jax.Array) -> li
     return run(params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl, window", MODEL_CASES)
 def test_kpass_loss_and_gradients_equal_the_reference_for_k_1_2_3(impl, window):
     cfg = small_model_config(sliding_window=window)  # 4 query heads over 2 kv heads
@@ -112,6 +114,7 @@ def test_kpass_loss_and_gradients_equal_the_reference_for_k_1_2_3(impl, window):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6, err_msg=f"K={k}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl, window", MODEL_CASES)
 def test_every_decoding_mode_prefills_and_generates_as_the_reference(impl, window):
     cfg = small_model_config(sliding_window=window)
@@ -128,6 +131,7 @@ def test_every_decoding_mode_prefills_and_generates_as_the_reference(impl, windo
         assert np.array_equal(tokens, ref_tokens), mode
 
 
+@pytest.mark.slow
 def test_a_kernel_under_a_mesh_equals_one_device(impl: str = "splash"):
     """shard_map over the batch (data × fsdp = 2 × 2) and head (tensor = 2) axes of 8 devices (one
     kernel: the shard_map around it is the same for every kernel)."""

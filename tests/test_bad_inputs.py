@@ -870,6 +870,7 @@ def params() -> list:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", params())
 def test_bad_input_is_one_line_and_a_documented_exit_code(case, shared, tmp_path):
     if case.needs_permissions and os.geteuid() == 0:

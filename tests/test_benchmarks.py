@@ -68,6 +68,7 @@ def test_every_script_in_benchmarks_is_covered():
     assert scripts == set(BENCHMARKS) | HELPERS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(BENCHMARKS))
 def test_benchmark_smoke_run_prints_figures_and_writes_docs(name, tmp_path):
     doc = tmp_path / "figures.md"

@@ -115,6 +115,7 @@ def killed_run(bucket, tmp_path_factory, resume_reference):
     return {"reference": reference, "run": run, "in_flight": in_flight, "left": left, "resumed": resumed, "base": base}
 
 
+@pytest.mark.slow
 def test_bucket_run_killed_during_an_async_save_resumes_on_another_host_bitwise(bucket, killed_run):
     run, reference = killed_run["run"], killed_run["reference"]
     step = killed_run["in_flight"][0]
@@ -139,6 +140,7 @@ def test_bucket_run_killed_during_an_async_save_resumes_on_another_host_bitwise(
     assert summary["goodput"]["attempts"] == 2 and 0 < summary["goodput"]["goodput"] < 1
 
 
+@pytest.mark.slow
 def test_bucket_run_is_read_by_eval_decode_init_from_fork_from_and_export(bucket, killed_run, tmp_path):
     url, reference = f"gs://{BUCKET}/{killed_run['run']}", killed_run["reference"]
     env = host(bucket, tmp_path, "host-c")
@@ -173,6 +175,7 @@ def test_bucket_run_is_read_by_eval_decode_init_from_fork_from_and_export(bucket
         assert read_object(bucket, f"exports/killed/{name}") == (tmp_path / "export" / name).read_bytes(), name
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_bucket_checkpoint_dir_damaged_newest_falls_back_only_on_evidence(bucket, tmp_path):
     prefix = "runs/damaged/checkpoints"
@@ -204,6 +207,7 @@ def test_bucket_checkpoint_dir_damaged_newest_falls_back_only_on_evidence(bucket
     assert any(s.startswith("6.damaged-") for s in steps) and {"6", "8"} <= steps, steps  # kept aside
 
 
+@pytest.mark.slow
 def test_bucket_prepared_data_equals_a_local_preparation_and_trains(bucket, prepared, tmp_path):
     corpus, local, _ = prepared
     env = host(bucket, tmp_path, "host")
@@ -242,6 +246,7 @@ def test_bucket_prepared_data_equals_a_local_preparation_and_trains(bucket, prep
     assert trained.returncode == 0, trained.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_bucket_compilation_cache_makes_a_restart_load_its_programs(bucket, tmp_path):
     cache = f"gs://{BUCKET}/compilation-cache"
     argv = [

@@ -47,6 +47,7 @@ def uninterrupted(tmp_path_factory):
     return workdir
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_is_bitwise_identical(tmp_path, uninterrupted):
     workdir = str(tmp_path / "killed")
     command = [*COMMAND, f"--config.workdir={workdir}"]
@@ -67,6 +68,7 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path, uninterrupted):
     assert_same_state(f"{uninterrupted}/checkpoints/{2 * N}", f"{workdir}/checkpoints/{2 * N}")
 
 
+@pytest.mark.slow
 def test_sigterm_saves_the_current_step_and_the_rerun_continues(tmp_path, uninterrupted):
     workdir = str(tmp_path / "preempted")
     command = [*COMMAND, f"--config.workdir={workdir}"]
@@ -86,6 +88,7 @@ def test_sigterm_saves_the_current_step_and_the_rerun_continues(tmp_path, uninte
 
 # The aborted read of a damaged checkpoint leaves tensorstore callbacks that fire after orbax has
 # closed its event loop ("Event loop is closed"): library noise on a path that is handled.
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     config = checkpointed_config(tmp_path)
@@ -105,6 +108,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     assert {"6", "8"} <= set(entries)  # training went on and saved again
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_garbled_data_file_is_damage_when_an_older_checkpoint_restores(tmp_path):
     config = checkpointed_config(tmp_path, steps=4)
@@ -124,6 +128,7 @@ def test_garbled_data_file_is_damage_when_an_older_checkpoint_restores(tmp_path)
     assert any(e.startswith("4.damaged-") for e in os.listdir(directory))
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_no_checkpoint_restoring_touches_nothing_unless_asked_to_restart(tmp_path):
     config = checkpointed_config(tmp_path, steps=2)
@@ -143,6 +148,7 @@ def test_no_checkpoint_restoring_touches_nothing_unless_asked_to_restart(tmp_pat
     assert sorted(os.listdir(directory)) == ["2"]
 
 
+@pytest.mark.slow
 def test_restore_on_another_mesh_and_device_count(tmp_path):
     config = checkpointed_config(tmp_path, steps=4, mesh=(2, 2, 2))
     trainer = Trainer(config, log=lambda *_: None)
@@ -171,6 +177,7 @@ def test_incompatible_config_is_refused_and_checkpoints_untouched(tmp_path):
     assert {p: os.path.getmtime(p) for p in glob.glob(f"{directory}/**", recursive=True)} == before
 
 
+@pytest.mark.slow
 def test_two_processes_save_and_restore_together(tmp_path):
     workdir = str(tmp_path / "two")
     command = [

@@ -76,6 +76,7 @@ def additive_feedback_model(state_scale: float):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("state_scale, contracting", [(0.3, True), (30.0, False)])
 def test_the_compiled_monitor_tells_a_contracting_model_from_a_chaotic_one(state_scale, contracting):
     graphdef, params = nnx.split(additive_feedback_model(state_scale), nnx.Param)

@@ -72,6 +72,7 @@ def test_standard_decoding_reproduces_the_one_pass_forward(model, tokens):
     assert compare(model, states, logits, kpass_forward(model, tokens, jnp.ones(3, jnp.int32), 1)[0]) <= 1e-4
 
 
+@pytest.mark.slow
 def test_fused_decoding_is_a_two_pass_prefill_then_soft_steps(model, tokens):
     states, logits = teacher_forced(model, tokens, "fused")
     # Reference without a cache: for each row, the prompt's pass-2 inputs (fully fused from
@@ -93,6 +94,7 @@ def test_fused_decoding_is_a_two_pass_prefill_then_soft_steps(model, tokens):
     assert compare(model, states, logits, reference) <= 1e-4
 
 
+@pytest.mark.slow
 def test_generation_is_deterministic_greedy_and_reproducible_sampling(model, tokens):
     prompts = padded_prompts(tokens)
     run = lambda **kw: decode.generate(model, prompts, jnp.asarray(LENGTHS), 6, "soft", **kw)  # noqa: E731
@@ -147,6 +149,7 @@ def test_bad_requests_give_one_clear_line(model, tokens, kwargs, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_soft_and_standard_decoding_are_exact_for_imported_model_features(tokens):
     """Sliding window, q/k/v biases, an untied readout, an explicit head dim and Llama 3 rotary
     scaling (what imported models bring) through the KV cache: the same references hold."""

@@ -2,9 +2,11 @@
 
 import json
 
+import pytest
 from conftest import run_command
 
 
+@pytest.mark.slow
 def test_fbt_decode_generates_in_each_mode_and_rejects_bad_input(tmp_path, trained_run):
     for mode in ("standard", "soft", "fused"):
         result = run_command(

@@ -153,13 +153,14 @@ RUNS = [
         "",
         "wrote 2 generations",
     ),
-    # The 1B dry runs compile one program instead of six (K=1 only, no memory-fit table): the
-    # whole dry run as written is tests/test_dry_run.py's (it took 70 s + 91 s of this test's 9 min).
+    # The 1B dry runs compile one program instead of six (K=1 only, no memory-fit table) for the 1B
+    # model at 2 of its layers: the whole dry run as written is tests/test_dry_run.py's (the two
+    # took 70 s + 91 s of this test's 9 min).
     (
         "dry-run-cpu",
         "docs/launch.md",
         "fbt-train --config=configs/fbt_1b.py --config.dry_run=True",
-        DRY_RUN_K1,
+        DRY_RUN_K1 + " --config.model.num_layers=2",
         "dry run complete",
     ),
     # For the slice: the TPU compiler (libtpu, the test extra's), the 1B model at 2 layers, K=1 only,
@@ -176,7 +177,7 @@ RUNS = [
         "dry-run-splash",
         "docs/performance.md",
         "fbt-train --config=configs/fbt_1b.py --config.dry_run=True --config.model.attention_impl=splash",
-        DRY_RUN_K1,
+        DRY_RUN_K1 + " --config.model.num_layers=2",
         "attention: splash",
     ),
     (

@@ -5,9 +5,11 @@ tests/test_targets.py, and benchmarks/compile_memory.py for the 1B figures.)"""
 
 import re
 
+import pytest
 from conftest import cpu_env, run_command
 
 
+@pytest.mark.slow
 def test_the_1b_dry_run_on_the_cpu_compiles_every_program_and_says_whose_figures_they_are():
     # As docs/launch.md has it and a user runs it (no XLA_FLAGS): the same programs as the docs test
     # compiles, so the session's compilation cache serves the second of the two.

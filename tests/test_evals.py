@@ -151,6 +151,7 @@ def test_the_scoring_path_runs_programs_that_pass_crash_and_time_out_and_extract
     assert [(v["answer"], v["correct"]) for v in verdicts] == [("7", True), ("61", False)]
 
 
+@pytest.mark.slow
 def test_builtin_answers_are_the_one_pass_forward_in_standard_and_the_recurrence_in_soft(trained_run):
     from fbt_jax.data.tasks import prompt_length
     from fbt_jax.evals.builtin import builtin_problems
@@ -199,6 +200,7 @@ def _scores(output):
     return scores
 
 
+@pytest.mark.slow
 def test_fbt_eval_tasks_on_8_devices_killed_and_resumed_writes_the_one_device_generations(tmp_path, trained_run):
     reference = str(tmp_path / "one_device")
     result = _eval(trained_run, reference, *SAMPLED)

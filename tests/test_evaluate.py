@@ -22,6 +22,7 @@ def test_probe_recovers_a_planted_signal_and_reports_chance_on_shuffled_labels()
     assert abs(chance - 0.25) < 0.08
 
 
+@pytest.mark.slow
 def test_fbt_eval_writes_the_report_and_plots(tmp_path, trained_run):
     output = str(tmp_path / "eval")
     result = run_command(

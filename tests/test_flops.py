@@ -11,6 +11,7 @@ from fbt_jax.flops import feedback_overhead_per_token, forward_flops, train_step
 from fbt_jax.model import build_model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_passes", [1, 3])
 def test_forward_flops_match_xla_cost_analysis(num_passes):
     cfg = small_model_config(vocab_size=512, embed_dim=256, num_heads=8, num_kv_heads=2, mlp_dim=512)

@@ -52,6 +52,7 @@ def runs(tmp_path_factory):
     return root, alone, trunk_summary
 
 
+@pytest.mark.slow
 def test_a_fork_ends_bitwise_identical_to_the_run_trained_alone(runs):
     root, alone, trunk_summary = runs
     assert trunk_summary["steps"] == FORK and os.path.isdir(root / "trunk" / "checkpoints" / str(FORK))

@@ -67,6 +67,7 @@ def evaluated(text_run):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", decode.MODES)
 def test_multiple_choice_accuracy_is_the_one_computed_from_the_backends_loglikelihoods(evaluated, mode):
     from fbt_jax.evals.harness import scored_pairs
@@ -83,6 +84,7 @@ def test_multiple_choice_accuracy_is_the_one_computed_from_the_backends_loglikel
     )
 
 
+@pytest.mark.slow
 def test_perplexity_is_the_plain_forwards_over_the_harness_windows_in_standard_mode(evaluated):
     results, lm = evaluated["standard"]
     model, length = lm.loaded.model, lm.max_length
@@ -101,6 +103,7 @@ def test_perplexity_is_the_plain_forwards_over_the_harness_windows_in_standard_m
     assert results["results"]["tiny_ppl"]["word_perplexity,none"] == pytest.approx(math.exp(-total / words), rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", decode.MODES)
 def test_generations_are_decode_generate_cut_at_the_stop_strings(evaluated, mode):
     results, lm = evaluated[mode]
@@ -173,6 +176,7 @@ def test_the_training_hook_logged_each_mode_once_the_fusion_trained_and_the_harn
         assert got == pytest.approx(row["tiny_ppl"]["word_perplexity,none"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_fbt_eval_harness_killed_and_resumed_writes_the_in_process_numbers(tmp_path, text_run, evaluated):
     output = tmp_path / "harness"
     argv = ["fbt-eval", f"--checkpoint={text_run}", f"--harness={','.join(TASKS)}",
@@ -198,6 +202,7 @@ def test_fbt_eval_harness_killed_and_resumed_writes_the_in_process_numbers(tmp_p
     assert soft["ci"][0] <= soft["difference"] <= soft["ci"][1] and soft["documents"] == len(documents("tiny_mc"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -240,6 +245,7 @@ def test_soft_or_fused_on_a_run_whose_fusion_never_trained_is_refused(evaluated)
             FBTLM(mode=mode, loaded=unfused)
 
 
+@pytest.mark.slow
 def test_a_standard_task_runs_on_a_local_copy_of_its_data_as_docs_evaluation_md_says(tmp_path, text_run):
     """docs/evaluation.md's recipe: a YAML that includes the harness's hellaswag.yaml and reads two
     made-up documents in HellaSwag's own fields from a local file (its process_docs still runs)."""

@@ -64,6 +64,7 @@ def harness_records(workdir) -> dict[int, dict]:
     return {r["step"]: r for r in read_jsonl(workdir, "eval.jsonl") if "harness/seconds" in r}
 
 
+@pytest.mark.slow
 def test_the_last_step_is_saved_before_its_evaluation_which_a_rerun_does_alone(tmp_path, prepared):
     workdir = tmp_path / "run"
     # A continuation longer than the context: found only when the requests are built, at the end.
@@ -108,6 +109,7 @@ def test_the_last_step_is_saved_before_its_evaluation_which_a_rerun_does_alone(t
     )
 
 
+@pytest.mark.slow
 def test_a_refused_task_leaves_an_existing_run_as_it_was_and_compiles_nothing(tmp_path, prepared):
     workdir = tmp_path / "run"
     workdir.mkdir()

@@ -66,6 +66,7 @@ def imported(tmp_path_factory):
     return {name: importer.import_model(ref(name), str(root / name), log=quiet).workdir for name in ARCHS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ARCHS)
 def test_an_imported_model_gives_the_hugging_face_logits(imported, name):
     model, config = load_model(imported[name], log=quiet)
@@ -108,6 +109,7 @@ def test_import_export_import_is_bitwise(imported, name, tmp_path):
         assert np.array_equal(x, y), path  # the fusion too, from fbt_fusion.safetensors
 
 
+@pytest.mark.slow
 def test_a_run_trained_here_exports_as_a_llama(trained_run, tmp_path):
     """A model trained from scratch (scaled tied readout) is a Llama with the scale folded into its
     final norm; read back with the fbt files it is the same model bitwise."""
@@ -357,6 +359,7 @@ def test_export_refuses_a_non_empty_directory_and_a_model_without_counterpart(im
         hf_config.export_architecture(ModelConfig(sliding_window=8), llama)
 
 
+@pytest.mark.slow
 def test_two_processes_import_the_same_parameters(imported, tmp_path):
     """Two processes × 2 devices (fsdp 4), each reading its own devices' blocks, write one
     checkpoint equal to the single-device import."""

@@ -354,6 +354,7 @@ def test_a_hook_installed_during_start_up_outlives_the_sigterm_block(tmp_path):
     assert "RuntimeError: Event loop is closed" in log.read_text()
 
 
+@pytest.mark.slow
 def test_sigterm_during_a_restore_sets_no_checkpoint_aside(tmp_path, monkeypatch):
     """A SIGTERM while the newest checkpoint is being read must not pass for damage to it (the
     restore sets a checkpoint aside when it fails and an older one restores)."""

@@ -93,6 +93,7 @@ _prefill = nnx.jit(lambda model, prompts, lengths, cache_len, mode: decode.prefi
 _step = nnx.jit(decode.step, static_argnums=(3,))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", decode.MODES)
 def test_each_mode_scores_what_its_definition_and_the_decoding_path_give(model, mode):
     asked = requests()
@@ -109,6 +110,7 @@ def test_each_mode_scores_what_its_definition_and_the_decoding_path_give(model, 
         np.testing.assert_allclose(got.logprobs, reference(model, context, continuation, mode), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["standard", "soft"])
 def test_a_batch_gives_what_its_requests_give_alone_and_eight_devices_what_one_gives(model, mode):
     asked = requests(seed=1, count=9)

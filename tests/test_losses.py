@@ -115,6 +115,7 @@ def test_gradients_do_not_flow_through_masked_positions():
     assert np.all(np.asarray(grad)[weights == 0] == 0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [4, 3])  # 10 positions: chunks that divide them, and a padded last chunk
 def test_chunked_readout_gives_the_full_loss_gradients_and_counts(chunk):
     from conftest import small_model_config

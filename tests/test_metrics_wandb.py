@@ -135,6 +135,7 @@ def wandb_config(tmp_path, steps=6):
     return config
 
 
+@pytest.mark.slow
 def test_wandb_records_the_metrics_config_and_eval_and_a_resume_continues_its_run(tmp_path, offline_wandb):
     from fbt_jax.train.trainer import Trainer
 

@@ -5,6 +5,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from conftest import small_model_config
 from flax import nnx
 
@@ -58,6 +59,7 @@ def test_residual_stream_stays_order_one_as_depth_grows():
     assert rms[32] / rms[2] < 1.2, rms
 
 
+@pytest.mark.slow
 def test_bf16_compute_keeps_fp32_params_and_tracks_fp32():
     fp32 = build_model(small_model_config(), seed=0)
     bf16 = build_model(small_model_config(compute_dtype="bfloat16"), seed=0)
@@ -102,6 +104,7 @@ def _loss_and_grads(model, tokens, p_B):
     return jax.jit(jax.value_and_grad(loss_fn))(params)
 
 
+@pytest.mark.slow
 def test_scanned_layers_and_remat_policies_compute_the_same_function():
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 8), 0, 16)
     p_B = jnp.array([1, 3])

@@ -40,6 +40,7 @@ def one_process_run(tmp_path_factory):
     return workdir
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process_with_the_same_devices(two_process_run, one_process_run):
     two, one = read_jsonl(two_process_run[0]), read_jsonl(one_process_run)
     assert [r["step"] for r in two] == list(range(1, STEPS + 1))
@@ -61,6 +62,7 @@ def test_each_process_loads_a_disjoint_slice_and_together_the_global_batch(two_p
     assert rows[0] | rows[1] == set(range(32))  # tiny's global batch
 
 
+@pytest.mark.slow
 def test_processes_that_would_draw_different_passes_fail_instead_of_hanging(tmp_path):
     port = subprocess.run(
         [

@@ -38,6 +38,7 @@ def test_process_streams_are_disjoint_and_cover_an_epoch(prepared, num_processes
     assert sorted(nxt) == list(range(len(source))) and nxt != list(whole.record_indices(np.arange(len(source))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_resumed_pipeline_continues_identically(prepared, num_workers):
     _, out, _ = prepared
@@ -55,6 +56,7 @@ def test_resumed_pipeline_continues_identically(prepared, num_workers):
             assert np.array_equal(a[key], b[key])
 
 
+@pytest.mark.slow
 def test_text_source_prepares_on_first_use_and_trains(tmp_path, prepared):
     corpus, out, _ = prepared
     config = text_config(tmp_path, f"{corpus}/*")

@@ -139,6 +139,7 @@ def test_shard_index_from_a_slurm_array(mixed_corpus, tmp_path, monkeypatch):
     assert tree(out) == tree(reference)
 
 
+@pytest.mark.slow
 def test_a_killed_preparation_resumes_to_the_same_dataset(tmp_path, bpe_tokenizer_json):
     corpus = str(tmp_path / "corpus")
     write_mixed_corpus(corpus, num_files=16, docs_per_file=120, seed=1, words=600)

@@ -56,6 +56,7 @@ def test_a_bad_profile_window_is_refused(value):
         parse_profile_steps(value, 10)
 
 
+@pytest.mark.slow
 def test_profile_window_traces_its_steps_and_a_resume_past_it_traces_nothing(tmp_path):
     # In its own process: a profiler session in the test process would outlive the run's threads.
     workdir = str(tmp_path / "run")

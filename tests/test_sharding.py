@@ -28,6 +28,7 @@ def single_device_run(tmp_path_factory):
     return jax.device_get(trainer.state.params), rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES, ids=["x".join(map(str, m)) for m in MESHES])
 def test_sharded_training_matches_one_device(tmp_path, single_device_run, mesh):
     ref_params, ref_rows = single_device_run

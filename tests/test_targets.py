@@ -59,6 +59,7 @@ def compiled_k1(config, target):
     return programs, report
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_the_dry_run_compiles_every_program_for_a_tpu_slice_with_the_mosaic_splash_kernel():
     # One row per device: the batch cannot split further, so the memory table needs no second

@@ -50,6 +50,7 @@ def cli_run(tmp_path_factory):
     return workdir, result
 
 
+@pytest.mark.slow
 def test_cli_writes_metrics_with_every_required_key(cli_run):
     workdir, result = cli_run
     rows = read_jsonl(workdir)

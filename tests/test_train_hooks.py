@@ -61,6 +61,7 @@ def run_on_a_terminal(argv: list[str], env: dict[str, str], stdout, timeout: flo
     return returncode, written.decode(errors="replace").replace("\r\n", "\n")  # the terminal's own \r\n
 
 
+@pytest.mark.slow
 def test_a_diverged_run_leaves_its_one_line_error_alone_on_the_terminal(tmp_path):
     """fbt-train diverges (exit 3). On a terminal its progress bar is drawn, then cleared: the screen
     keeps the one-line error only (tensorboardX used to warn about each NaN/Inf on stderr, on the
@@ -80,6 +81,7 @@ def test_a_diverged_run_leaves_its_one_line_error_alone_on_the_terminal(tmp_path
     assert not (math.isfinite(last["loss"]) and math.isfinite(last["grad_norm"])), last
 
 
+@pytest.mark.slow
 def test_divergence_stops_before_saving_and_keeps_the_last_finite_checkpoints(tmp_path):
     config = checkpointed_config(tmp_path, steps=20)
     config.checkpoint.every_steps = 1
@@ -99,6 +101,7 @@ def test_divergence_stops_before_saving_and_keeps_the_last_finite_checkpoints(tm
         assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(restored.state))
 
 
+@pytest.mark.slow
 def test_a_failed_save_stops_the_run_and_the_previous_checkpoint_stays_valid(tmp_path):
     workdir = str(tmp_path / "full")
     command = train_argv(workdir, "--config.checkpoint.every_steps=2")
@@ -118,6 +121,7 @@ def test_a_failed_save_stops_the_run_and_the_previous_checkpoint_stays_valid(tmp
     assert "(step 2)" in resumed.stdout  # the checkpoint before the failure restored
 
 
+@pytest.mark.slow
 def test_sigint_saves_and_exits_like_sigterm(tmp_path):
     workdir = str(tmp_path / "interrupted")
     command = train_argv(workdir, "--config.train.steps=100000", "--config.checkpoint.every_steps=100000")
@@ -152,6 +156,7 @@ def test_throughput_adds_model_flops_and_mfu_from_each_steps_pass_count():
     assert record["model_flops_per_second"] == pytest.approx(100.0)
 
 
+@pytest.mark.slow
 def test_every_logged_line_has_mfu_against_a_measured_cpu_peak(tmp_path):
     config = run_config(tmp_path, steps=4)
     config.train.log_every = 2

@@ -38,6 +38,7 @@ def test_learning_rate_warms_up_then_decays_and_fusion_is_not_decayed():
     assert np.abs(updates["final_norm"]["scale"][...]).max() == 0.0
 
 
+@pytest.mark.slow
 def test_train_step_applies_noise_and_prefix_mixin_and_eval_is_deterministic(tmp_path):
     config = run_config(tmp_path, "step", schedule="0:2")
     config.passes.prefix_mixin_prob = 1.0
@@ -77,6 +78,7 @@ def test_train_step_applies_noise_and_prefix_mixin_and_eval_is_deterministic(tmp
         assert float(out[f"nll_{k}"]) == pytest.approx(float(nll), rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_passes", [1, 2])
 def test_microbatches_give_the_full_batch_update(tmp_path, num_passes):
     """Gradient accumulation: with prefix mix-in and noise, 2 or 4 microbatches give the loss,

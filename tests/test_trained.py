@@ -30,6 +30,7 @@ def test_init_from_takes_parameters_only(tmp_path):
         Trainer(config, log=lambda *_: None).restore_or_init(None)
 
 
+@pytest.mark.slow
 def test_init_from_another_model_names_the_difference(tmp_path):
     source = checkpointed_config(tmp_path, name="trunk", steps=2)
     Trainer(source, log=lambda *_: None).train(progress=False)

@@ -41,6 +41,7 @@ def test_a_non_finite_checkpoint_is_refused_and_left_alone(tmp_path):
     assert tree_snapshot(config.workdir) == before
 
 
+@pytest.mark.slow
 def test_resume_shows_changes_and_guards_the_data_order(tmp_path):
     config = checkpointed_config(tmp_path, steps=2)
     Trainer(config, log=lambda *_: None).train(progress=False)

@@ -25,6 +25,7 @@ def test_a_second_run_on_a_live_workdir_fails_at_once(tmp_path):
     Trainer(config, log=lambda *_: None).train(progress=False)
 
 
+@pytest.mark.slow
 def test_a_killed_runs_lock_is_not_in_the_way(tmp_path):
     workdir = str(tmp_path / "run")
     proc = start_command(
@@ -44,6 +45,7 @@ def test_a_killed_runs_lock_is_not_in_the_way(tmp_path):
     again.unlock()
 
 
+@pytest.mark.slow
 def test_a_second_run_keeps_the_first_runs_logs(tmp_path):
     config = run_config(tmp_path, "same", steps=2, schedule="0:2")
     config.checkpoint.every_steps = 0  # no checkpoint to resume from: the second run starts afresh
