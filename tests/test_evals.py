@@ -230,6 +230,7 @@ def test_fbt_eval_tasks_on_8_devices_killed_and_resumed_writes_the_one_device_ge
     assert result.returncode == 2 and "holds another evaluation (it differs in seed)" in last_line(result.stderr)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags, message",
     [

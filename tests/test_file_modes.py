@@ -55,6 +55,7 @@ def test_umask_mode_follows_the_umask():
     assert permissions.umask_mode() == 0o666 & ~previous
 
 
+@pytest.mark.slow
 def test_prepared_data_exports_checkpoints_and_logs_are_readable_by_another_user(prepared, trained_run, tmp_path):
     _, records, _ = prepared
     model = str(tmp_path / "model")

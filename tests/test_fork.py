@@ -62,6 +62,7 @@ def test_a_fork_ends_bitwise_identical_to_the_run_trained_alone(runs):
     assert int(fork.state.step) == STEPS
 
 
+@pytest.mark.slow
 def test_a_fork_of_a_trunk_that_already_ends_there_gets_its_own_checkpoint(runs):
     """A sweep run whose schedule draws the trunk's K to the last step trains nothing after the
     fork, but decoding and evaluation read its workdir: it holds the trunk's final state."""
@@ -74,12 +75,14 @@ def test_a_fork_of_a_trunk_that_already_ends_there_gets_its_own_checkpoint(runs)
     assert all(np.array_equal(a, b) for a, b in zip(params_of(alone), restored, strict=True))
 
 
+@pytest.mark.slow
 def test_a_fork_whose_schedule_drew_other_passes_before_the_fork_is_refused(runs):
     root, _, _ = runs
     with pytest.raises(ConfigError, match=r"ran K=1 at step \d, where this run's passes.schedule draws K=[23]"):
         train(config(root / "early", schedule="0:1; 0.25:2=0.5,3=0.5", fork_from=str(root / "trunk")))
 
 
+@pytest.mark.slow
 def test_a_fork_that_changes_training_is_refused(runs):
     root, _, _ = runs
     with pytest.raises(ConfigError, match=r"differs in optimizer.learning_rate"):

@@ -127,6 +127,7 @@ def _request(prompt: str):
     return Instance("generate_until", {}, (prompt, settings), 0, ("tiny_gen", 0, 1))
 
 
+@pytest.mark.slow
 def test_context_and_continuation_are_split_as_the_harness_expects_and_long_contexts_cut_once(evaluated):
     lm = evaluated["soft"][1]
     assert lm.pair("alpha beta ", "gamma") == (lm.encode("alpha beta"), lm.encode(" gamma"))
@@ -141,6 +142,7 @@ def test_context_and_continuation_are_split_as_the_harness_expects_and_long_cont
         lm.fit([1], list(range(lm.max_length + 1)))
 
 
+@pytest.mark.slow
 def test_requests_a_mode_cannot_serve_are_refused_in_one_line(evaluated):
     lm = evaluated["fused"][1]
     with pytest.raises(ConfigError, match="leaves no room for a prompt"):
@@ -151,6 +153,7 @@ def test_requests_a_mode_cannot_serve_are_refused_in_one_line(evaluated):
         lm.fit([1, 2], [])
 
 
+@pytest.mark.slow
 def test_a_subword_tokenizer_splits_context_and_continuation_on_the_whole_texts_ids(evaluated, bpe_tokenizer_json):
     from fbt_jax.data.tokenizers import load_tokenizer
 
@@ -165,6 +168,7 @@ def test_a_subword_tokenizer_splits_context_and_continuation_on_the_whole_texts_
         lm.tokenizer = lm.loaded.tokenizer
 
 
+@pytest.mark.slow
 def test_the_training_hook_logged_each_mode_once_the_fusion_trained_and_the_harnesss_final_figures(text_run, evaluated):
     records = {r["step"]: r for r in read_jsonl(text_run, "eval.jsonl")}
     first, last = records[HARNESS_STEPS // 2], records[HARNESS_STEPS]
@@ -218,6 +222,7 @@ def test_fbt_eval_harness_refuses_bad_input_in_one_line(tmp_path, text_run, caps
     assert len(stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_task_whose_data_is_not_here_is_named_with_the_file_it_wanted(tmp_path, text_run, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # relative data files are read from the working directory
     argv = [
@@ -232,6 +237,7 @@ def test_a_task_whose_data_is_not_here_is_named_with_the_file_it_wanted(tmp_path
     assert "tests/harness/tiny_mc.jsonl" in line and str(tmp_path) in line
 
 
+@pytest.mark.slow
 def test_soft_or_fused_on_a_run_whose_fusion_never_trained_is_refused(evaluated):
     from fbt_jax.evals.harness import FBTLM, Loaded
 
@@ -293,6 +299,7 @@ def task_yaml(directory, name: str, base: str, replace: dict[str, str]) -> None:
     (directory / f"{name}.yaml").write_text(text)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -316,6 +323,7 @@ def test_fbt_eval_refuses_what_it_can_check_before_making_its_output_or_reading_
     assert not output.exists() and "loaded" not in stderr
 
 
+@pytest.mark.slow
 def test_fbt_eval_harness_without_the_harness_installed_is_one_line(tmp_path, text_run, capsys, monkeypatch):
     import sys
 
@@ -325,6 +333,7 @@ def test_fbt_eval_harness_without_the_harness_installed_is_one_line(tmp_path, te
     assert "fbt-eval --harness needs lm-evaluation-harness, which is not installed here: pip install" in stderr
 
 
+@pytest.mark.slow
 def test_unknown_model_args_are_refused_not_ignored(text_run):
     from fbt_jax.evals.harness import FBTLM
 
@@ -337,6 +346,7 @@ def test_unknown_model_args_are_refused_not_ignored(text_run):
         lm_eval.simple_evaluate(model="fbt", model_args=f"checkpoint={text_run},mdoe=soft", tasks=["tiny_mc"])
 
 
+@pytest.mark.slow
 def test_a_refusal_while_building_requests_leaves_no_evaluation_behind(tmp_path, text_run, capsys, monkeypatch):
     (tmp_path / "tasks").mkdir()
     task_yaml(tmp_path / "tasks", "tiny_long_mc", "tiny_mc", {'doc_to_choice: "{{choices}}"': (

@@ -53,6 +53,7 @@ def test_two_processes_match_one_process_with_the_same_devices(two_process_run, 
     assert "in 2 process(es)" in two_process_run[1].stdout
 
 
+@pytest.mark.slow
 def test_each_process_loads_a_disjoint_slice_and_together_the_global_batch(two_process_run):
     workdir, _ = two_process_run
     infos = [json.load(open(os.path.join(workdir, "processes", f"process_{i}.json"))) for i in range(2)]

@@ -67,6 +67,7 @@ def test_cli_writes_metrics_with_every_required_key(cli_run):
     assert f"outputs in {workdir}" in result.stdout
 
 
+@pytest.mark.slow
 def test_cli_loss_goes_down_on_the_builtin_task(cli_run):
     workdir, _ = cli_run
     rows = read_jsonl(workdir)
@@ -77,6 +78,7 @@ def test_cli_loss_goes_down_on_the_builtin_task(cli_run):
     assert evals[-1]["accuracy_K1"] > 1 / 6 + 0.05  # learned something beyond chance on held-out data
 
 
+@pytest.mark.slow
 def test_cli_writes_eval_and_tensorboard(cli_run):
     workdir, result = cli_run
     evals = read_jsonl(workdir, "eval.jsonl")
@@ -91,6 +93,7 @@ def test_cli_writes_eval_and_tensorboard(cli_run):
     assert "eval/loss_K2" in eval_scalars
 
 
+@pytest.mark.slow
 def test_cli_logs_the_contraction_monitor_beyond_the_trained_passes(cli_run):
     """The schedule trains up to K = 3: the monitor measures passes 4..7 every 60 steps (and at the
     last) into metrics.jsonl and TensorBoard, at every eval into eval.jsonl, and in the summary."""
