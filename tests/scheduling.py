@@ -6,6 +6,8 @@ longest first (the longest-processing-time rule: a long group started last would
 core idle while it runs).
 
 - A file whose tests share no module fixture sets `XDIST_SPLIT = True`: each test is its own group.
+- A long file whose module fixtures are cheap next to its tests sets `XDIST_PARTS = n`: its tests,
+  in file order, make n groups (each worker that takes one makes the fixtures once for it).
 - A test may name its own group (`@pytest.mark.xdist_group("name")`): tests of one name run in
   one worker, in file order (test_docs.py's chains of commands that build on each other).
 - SECONDS holds what each long group took on 2 cores (measured with `--durations=0`; a rough
@@ -14,28 +16,75 @@ core idle while it runs).
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 
-# Groups that take long, with their seconds on 2 cores: the longest start first.
-SECONDS: dict[str, float] = {}
+# Groups that take long, with their seconds on 2 cores (both busy; at cd45386, the docs' chains
+# timed one by one): the longest start first.
+SECONDS: dict[str, float] = {
+    "test_bad_inputs.py#1": 215,
+    "test_bad_inputs.py#2": 215,
+    "test_experiments.py": 364,
+    "test_resume.py::test_elastic_resume_across_process_counts_and_mesh_shapes": 224,
+    "test_checkpoint.py#1": 140,
+    "test_checkpoint.py#2": 140,
+    "test_resume.py::test_sigkill_at_random_moments_resumes_bitwise": 67,
+    "test_docs.py::test_documented_commands_work_as_written[text]": 230,
+    "test_docs.py::test_documented_commands_work_as_written[tiny]": 230,
+    "test_docs.py::test_documented_commands_work_as_written[interop]": 200,
+    "test_bucket.py": 181,
+    "test_harness.py": 179,
+    "test_attention.py": 145,
+    "test_train_hooks.py": 129,
+    "test_sharding.py": 120,
+    "test_docs.py::test_documented_commands_work_as_written[sweeps]": 120,
+    "test_sweep.py": 116,
+    "test_launchers.py": 101,
+    "test_multiprocess.py": 92,
+    "test_train_step.py": 92,
+    "test_likelihood.py": 91,
+    "test_feedback.py": 82,
+    "test_dry_run.py": 78,
+    "test_interop.py": 72,
+    "test_benchmarks.py::test_benchmark_smoke_run_prints_figures_and_writes_docs[gpu_check]": 71,
+    "test_evals.py": 70,
+    "test_decode.py": 69,
+    "test_benchmarks.py::test_benchmark_smoke_run_prints_figures_and_writes_docs[restart_cost]": 67,
+    "test_benchmarks.py::test_benchmark_smoke_run_prints_figures_and_writes_docs[sweep_cost]": 60,
+    "test_targets.py": 58,
+    "test_model.py": 56,
+    "test_benchmarks.py::test_benchmark_smoke_run_prints_figures_and_writes_docs[step_cost]": 54,
+    "test_docs.py::test_documented_commands_work_as_written[launchers]": 50,
+    "test_docs.py::test_documented_commands_work_as_written[short-runs]": 50,
+    "test_decode_cli.py": 47,
+    "test_benchmarks.py::test_benchmark_smoke_run_prints_figures_and_writes_docs[sharding_overhead]": 47,
+    "test_evaluate.py": 43,
+}
 
 
-def group_of(item: pytest.Item) -> str:
-    """The xdist group of a test: its own mark, else its test's id in a split file, else its file."""
+def group_of(item: pytest.Item, index: int, count: int) -> str:
+    """The xdist group of a test (the `index`-th of its file's `count`): its own mark, else its id
+    in a split file, else its part of a file in parts, else its file."""
     mark = item.get_closest_marker("xdist_group")
     if mark is not None:
         return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
     file = item.nodeid.split("::")[0].removeprefix("tests/")
     if getattr(item.module, "XDIST_SPLIT", False):
         return f"{file}::{item.name}"
-    return file
+    parts = int(getattr(item.module, "XDIST_PARTS", 1))
+    return f"{file}#{index * parts // count + 1}" if parts > 1 else file
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks into the test ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    per_file = collections.Counter(item.nodeid.split("::")[0] for item in items)
+    index_in_file: collections.Counter = collections.Counter()
     first_seen: dict[str, int] = {}
     for item in items:
-        group = group_of(item)
+        file = item.nodeid.split("::")[0]
+        group = group_of(item, index_in_file[file], per_file[file])
+        index_in_file[file] += 1
         first_seen.setdefault(group, len(first_seen))
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(group))

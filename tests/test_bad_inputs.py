@@ -42,6 +42,9 @@ from collections.abc import Callable
 import pytest
 from conftest import cpu_env, run_command
 
+# The cases are many short commands: two groups, one per pytest-xdist worker (tests/scheduling.py),
+# each making the shared inputs it names.
+XDIST_PARTS = 2
 PROGRAM_NAMES = {"launch/local.sh": "local.sh"}
 LOCK_NAME = ".fbt-train.lock"
 # A run compiles its programs only after every check has passed.

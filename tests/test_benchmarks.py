@@ -14,6 +14,7 @@ import pytest
 from conftest import ROOT, cpu_env, run_command
 
 BENCHMARK_DIR = os.path.join(ROOT, "benchmarks")
+XDIST_SPLIT = True  # the smoke runs share nothing: either worker takes each (tests/scheduling.py)
 # benchmark → a top-level key its JSON line must have
 BENCHMARKS = {
     "step_cost": "configs",

@@ -27,6 +27,8 @@ from fbt_jax.checkpoint import Checkpointer
 from fbt_jax.errors import PREEMPTED_EXIT_CODE, CheckpointError, ConfigError
 from fbt_jax.train.trainer import Trainer
 
+XDIST_PARTS = 2  # 11 long tests: two groups, one per worker (tests/scheduling.py)
+
 N = 150  # checkpoint interval; runs go to 2N with K drawn from a mix, so K changes across step N
 COMMAND = [
     "fbt-train",

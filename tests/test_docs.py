@@ -111,7 +111,8 @@ RUNS = [
         "docs/data.md",
         "fbt-train --config=configs/tiny.py --config.workdir=runs/text --config.data.source=text "
         "--config.data.path=prepared/stdlib-128 --config.data.seq_len=128 --config.model.vocab_size=1024",
-        "--config.train.steps=60 --config.passes.schedule='0:1;0.9:2'",  # two train programs: fbt-eval --tasks decodes soft
+        # two train programs (fbt-eval --tasks decodes soft), a quarter of the batch
+        "--config.train.steps=60 --config.train.batch_size=8 --config.passes.schedule='0:1;0.9:2'",
         "trained 60 steps",
     ),
     (

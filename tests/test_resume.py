@@ -21,6 +21,7 @@ from conftest import (
     wait_for,
 )
 
+XDIST_SPLIT = True  # two long tests that share only session fixtures: one per worker (tests/scheduling.py)
 STEPS = RESUME_STEPS
 COMMAND = ["fbt-train", *RESUME_ARGS]
 
