@@ -16,7 +16,7 @@ a run preempted twice, and checkpoint saves to an emulated bucket vs the local d
    Cloud Storage emulator (tests/storage_emulator.py): wall seconds per step (steps, data and
    checkpoint blocking) and the bucket / disk ratio.
 
-`--smoke`: tiny at K = 1 only, one round, a 40-step run preempted twice, 20-step save runs (these
+`--smoke`: tiny at K = 1 only, one round, a 24-step run preempted once, 10-step save runs (these
 two at K = 1 only, from the warm cache).
 """
 
@@ -52,9 +52,12 @@ MEDIUM = [
     "--config.model.num_kv_heads=4",
     "--config.model.mlp_dim=1024",
 ]
-FULL = {"models": {"tiny": TINY, "cpu_medium": MEDIUM}, "ks": (1, 2, 3), "preempted_steps": 300, "save_steps": 120}
+FULL = {"models": {"tiny": TINY, "cpu_medium": MEDIUM}, "ks": (1, 2, 3), "preempted_steps": 300, "preemptions": 2,
+        "save_steps": 120}  # fmt: skip
 # Smoke: the preempted and saving runs train K=1 only from the cache the K=1 start-up filled (warm).
-SMOKE = {"models": {"tiny": TINY}, "ks": (1,), "preempted_steps": 40, "save_steps": 20, "smoke": True}
+# One preemption takes the whole path (SIGTERM, exit 75, restore); a second is one more process.
+SMOKE = {"models": {"tiny": TINY}, "ks": (1,), "preempted_steps": 24, "preemptions": 1, "save_steps": 10,
+         "smoke": True}  # fmt: skip
 
 
 def environment(**extra: str) -> dict[str, str]:
@@ -101,12 +104,12 @@ def cold_and_warm(tmp: str, model: list[str], k: int, rounds: int) -> dict[str, 
     return out
 
 
-def preempted_twice(tmp: str, steps: int, extra: list[str]) -> dict:
-    """A tiny run SIGTERMed at two seeded moments (logged steps) and restarted each time."""
+def preempted_run(tmp: str, steps: int, preemptions: int, extra: list[str]) -> dict:
+    """A tiny run SIGTERMed at `preemptions` seeded moments (logged steps) and restarted each time."""
     workdir = os.path.join(tmp, "preempted")
     args = [*TINY, f"--config.train.steps={steps}", "--config.optimizer.warmup_steps=5", "--config.train.log_every=1",
             f"--config.checkpoint.every_steps={steps // 6}", f"--config.workdir={workdir}", *extra]  # fmt: skip
-    moments = sorted(random.Random(21).sample(range(steps // 6, steps - steps // 6), 2))
+    moments = sorted(random.Random(21).sample(range(steps // 6, steps - steps // 6), preemptions))
     metrics = os.path.join(workdir, "metrics.jsonl")
     for moment in moments:
         proc = subprocess.Popen([sys.executable, "-m", "fbt_jax.train", *args], cwd=ROOT, env=environment(),
@@ -153,7 +156,7 @@ def main() -> None:
                   for k in plan["ks"]}  # fmt: skip
         warm = ["--config.passes.schedule=0:1", f"--config.train.compilation_cache_dir={tmp}/cache-1-0"]
         extra = warm if plan.get("smoke") else []
-        preempted = preempted_twice(tmp, plan["preempted_steps"], extra)
+        preempted = preempted_run(tmp, plan["preempted_steps"], plan["preemptions"], extra)
         saves = save_cost(tmp, plan["save_steps"], extra)
     rows = [
         [name, f"{r['cold_compile_seconds']:.2f}", f"{r['warm_compile_seconds']:.2f}", f"{r['compile_ratio']:.3f}",

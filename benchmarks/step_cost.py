@@ -12,7 +12,8 @@ readout at once and with the chunked loss (`model.loss_chunk_size=64`), timed in
     python benchmarks/step_cost.py [--rounds 5] [--steps-per-round 1] [--smoke] [--write-docs PATH]
 
 Prints a table and, last, one JSON line with every figure. `--smoke` runs the same code on the tiny
-config only, with small matmuls and one round (seconds); `--write-docs PATH` rewrites the
+config only, at K = 1 and 2 (K = 3 is one more compile of the same program), with small matmuls and
+one round (seconds); `--write-docs PATH` rewrites the
 `benchmarks/step_cost.py` block of the Markdown file PATH with the table (see docs_block.py).
 """
 
@@ -69,7 +70,7 @@ class MatmulPeak:
 
 
 def time_variants(
-    variants: dict[str, object], rounds: int, steps_per_round: int, peak: MatmulPeak
+    variants: dict[str, object], rounds: int, steps_per_round: int, peak: MatmulPeak, pass_counts: tuple[int, ...]
 ) -> dict[str, dict[int, dict[str, float]]]:
     """Per variant (a config) and K: the median step time, the median over rounds of the step's
     FLOP/s as a fraction of the matmul peak sampled in the same round, the FLOPs and the compiled
@@ -78,23 +79,23 @@ def time_variants(
     for label, config in variants.items():
         # One device, like the peak it is compared with (a multi-device mesh is sharding_overhead.py's).
         trainer = every_k_trainer(config, jax.devices()[:1])
-        report = trainer.compile(PASS_COUNTS)
+        report = trainer.compile(pass_counts)
         trainer.init_state()
         batch = trainer.batch("train", 0, config.train.batch_size)
         state = trainer.state
-        for k in PASS_COUNTS:  # warm up each program
+        for k in pass_counts:  # warm up each program
             for _ in range(2):
                 state, metrics = trainer.programs.train[k](state, batch)
             jax.block_until_ready(metrics)
         model_cfg = ModelConfig.from_config(config.model)
-        flops = {k: train_step_flops(model_cfg, config.train.batch_size, config.data.seq_len, k) for k in PASS_COUNTS}
+        flops = {k: train_step_flops(model_cfg, config.train.batch_size, config.data.seq_len, k) for k in pass_counts}
         runs[label] = {"trainer": trainer, "state": state, "batch": batch, "report": report, "flops": flops}
-    samples = {label: {k: [] for k in PASS_COUNTS} for label in variants}
-    fractions = {label: {k: [] for k in PASS_COUNTS} for label in variants}
+    samples = {label: {k: [] for k in pass_counts} for label in variants}
+    fractions = {label: {k: [] for k in pass_counts} for label in variants}
     for _ in range(rounds):
         round_peak = peak.sample()
         for label, run in runs.items():
-            for k in PASS_COUNTS:
+            for k in pass_counts:
                 program, state = run["trainer"].programs.train[k], run["state"]
                 start = time.perf_counter()
                 for _ in range(steps_per_round):
@@ -111,7 +112,7 @@ def time_variants(
                 "flops": run["flops"][k],
                 "device_mib": run["report"][f"train_K{k}"].get("device_bytes", 0.0) / 2**20,
             }
-            for k in PASS_COUNTS
+            for k in pass_counts
         }
         for label, run in runs.items()
     }
@@ -122,9 +123,11 @@ def main() -> None:
     if args.smoke:
         configs = (("tiny", tiny_config()),)
         peak = MatmulPeak(sizes=(256,))
+        pass_counts = (1, 2)  # one pass (the ratio's baseline) and feedback
     else:
         configs = tuple(nanodo_configs().items())
         peak = MatmulPeak(sizes=(1024, 2048))
+        pass_counts = PASS_COUNTS
     print(f"devices: {jax.devices()}  peak fp32 matmul at start: {peak.sample() / 1e9:.1f} GFLOP/s")
     results = {"configs": {}}
     header = (
@@ -136,9 +139,11 @@ def main() -> None:
     for name, config in configs:
         chunked = config.copy_and_resolve_references()
         chunked.model.loss_chunk_size = min(CHUNK, config.data.seq_len // 2)
-        timed = time_variants({"full": config, "chunked": chunked}, args.rounds, args.steps_per_round, peak)
+        timed = time_variants(
+            {"full": config, "chunked": chunked}, args.rounds, args.steps_per_round, peak, pass_counts
+        )
         rows = {}
-        for k in PASS_COUNTS:
+        for k in pass_counts:
             rows[k] = {"flops_per_step": timed["full"][k]["flops"]}
             for label, suffix in (("full", ""), ("chunked", "_chunked_loss")):
                 t = timed[label][k]

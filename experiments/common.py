@@ -5,7 +5,8 @@ Every experiment is one script, `python experiments/<name>.py [--smoke] [--write
 It trains what it needs with `fbt-sweep` (so a rerun skips what is finished and resumes what was
 interrupted), evaluates the trained checkpoints with `fbt_jax.evaluate`, and rewrites the block
 between `<!-- begin: experiments/<name>.py -->` and `<!-- end: experiments/<name>.py -->`.
-`--smoke` runs the same code at a few steps into a temporary directory (the tests run it).
+`--smoke` runs the same code at a few steps into a temporary directory (the tests run it), its
+jobs sharing one compilation cache, and no sweep job that only a few steps' sampling makes.
 The state-tracking sweep (`runs/experiments/state_tracking`) is shared: the depth-stability and
 probe experiments evaluate its models rather than train their own.
 """
@@ -66,14 +67,31 @@ def arguments(doc: str, name: str, extra: Sequence[tuple[str, dict]] = ()) -> ar
         args.dir = os.path.join(root, name)
     # Experiments share sweeps (the state-tracking models) through this parent directory.
     args.sweeps_dir = os.path.dirname(os.path.abspath(args.dir))
+    if args.smoke:
+        share_compilation_cache(os.path.join(args.sweeps_dir, "compilation_cache"))
     return args
 
 
-def run_sweep(spec: str, directory: str, overrides: Sequence[str] = (), parallel: int = 2) -> list[dict[str, Any]]:
+def share_compilation_cache(directory: str) -> None:
+    """One persistent compilation cache for this process and every job it starts (a smoke run's
+    jobs compile the same few programs, and a job's start-up and compiles are most of its time):
+    $JAX_COMPILATION_CACHE_DIR, unless it is set already. The programs and their results are the
+    same; only where they are compiled from changes."""
+    from fbt_jax.run_services import use_compilation_cache
+
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", directory)
+    use_compilation_cache(os.environ["JAX_COMPILATION_CACHE_DIR"], "JAX_COMPILATION_CACHE_DIR")
+
+
+def run_sweep(
+    spec: str, directory: str, overrides: Sequence[str] = (), parallel: int = 2, min_shared_steps: int | None = None
+) -> list[dict[str, Any]]:
     """Train (or finish) the sweep of `spec` in `directory`; one record per run, as `fbt-sweep
-    report` gathers them (labels, final eval metrics, curve), plus the run's `workdir` and `config`."""
+    report` gathers them (labels, final eval metrics, curve), plus the run's `workdir` and `config`.
+    `min_shared_steps`: fbt-sweep's shortest trunk worth a job (None: its default)."""
     command = ["fbt-sweep", "run", spec, f"--dir={directory}", f"--parallel={parallel}"]
     command += [f"--override={o}" for o in overrides]
+    command += [] if min_shared_steps is None else [f"--min-shared-steps={min_shared_steps}"]
     print("$ " + " ".join(command), flush=True)
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     sweep_dir = SweepDirectory(directory, os.path.basename(directory.rstrip("/")))
@@ -107,6 +125,13 @@ SMOKE_OVERRIDES = {
     "eval.num_batches": 1,
     "eval.contraction_every_steps": 0,
 }
+
+
+# A smoke sweep's shortest trunk worth a job, as a fraction (1 / this) of its steps. In a few steps
+# the feedback mixtures can draw the same passes to the end (K=3 is drawn 12% of the time), where
+# fbt-sweep would give their shared tail a job of its own and each run a job that only evaluates:
+# start-ups and compiles a full run, whose mixtures part within a few steps, never has.
+SMOKE_MIN_SHARED = 2
 
 
 def smoke_spec(path: str, sweeps_dir: str, schedules: Sequence[str], **overrides: Any) -> str:
@@ -154,7 +179,11 @@ def state_tracking_runs(args: argparse.Namespace, factor: float | None = None) -
         factor = next((f for f in reversed(ladder) if sweep_complete(state_tracking_dir(args, f))), 1.0)
     scale = scales.of(args)
     overrides = scale.sweep_overrides() + ladder_overrides(spec, factor)
-    return run_sweep(spec, state_tracking_dir(args, factor), overrides, scale.parallel)
+    directory = state_tracking_dir(args, factor)
+    if args.smoke:  # the K=1 trunk (the first 75%) as in the full run; see SMOKE_MIN_SHARED
+        steps = round(SMOKE_OVERRIDES["train.steps"] * factor)
+        return run_sweep(spec, directory, overrides, scale.parallel, min_shared_steps=steps // SMOKE_MIN_SHARED)
+    return run_sweep(spec, directory, overrides, scale.parallel)
 
 
 def sweep_complete(directory: str) -> bool:

@@ -154,7 +154,13 @@ def main() -> None:
     # The 16-token models are the state-tracking experiment's (trained there, or here if not yet).
     short = [r for r in common.state_tracking_runs(args) if r["label.run"] == "S3"]
     short = [r for r in short if r["label.schedule"] in SCHEDULES]
-    long = common.run_sweep(long_spec, os.path.join(args.dir, "depth_1024"), overrides=[f"data.path={prepared}"])
+    # Smoke: the two mixtures draw the same passes over all their few steps, so fbt-sweep would
+    # train the whole run as a shared trunk and give each mixture a job that only evaluates; one
+    # job each instead (no trunk at all: a minimum beyond the run).
+    unshared = dict(min_shared_steps=common.SMOKE_OVERRIDES["train.steps"] + 1) if args.smoke else {}
+    long = common.run_sweep(
+        long_spec, os.path.join(args.dir, "depth_1024"), overrides=[f"data.path={prepared}"], **unshared
+    )
     sizes = common.load_spec(long_spec)["overrides"]
     train_minutes = common.sweep_minutes(os.path.join(args.dir, "depth_1024"))
     checks = {
