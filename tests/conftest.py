@@ -8,18 +8,6 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
-# The tests' own programs (this process only) compile at XLA:CPU's backend optimisation level 0:
-# about 30% less time for the suite's many small compiles, the same function (results within
-# ~1e-6; every comparison in one process runs at one level). XLA reads XLA_FLAGS once, when its
-# first backend starts, so the flag is gone again before any command the tests start inherits it:
-# those run as a user runs them.
-_user_flags = os.environ["XLA_FLAGS"]
-os.environ["XLA_FLAGS"] = _user_flags + " --xla_backend_optimization_level=0"
-import jax  # noqa: E402
-
-jax.devices()
-os.environ["XLA_FLAGS"] = _user_flags
-
 import atexit  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
@@ -42,6 +30,7 @@ if "FBT_TEST_SHARED_DIR" not in os.environ:
 import glob  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
+import pathlib  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -280,7 +269,7 @@ def made_once(name: str, make) -> str:
 def corpus(tmp_path_factory):
     """(directory, documents) of `write_corpus`; read only."""
     documents = write_corpus(tmp_path_factory.mktemp("corpus"))  # seeded: the shared directory's documents
-    return made_once("corpus", write_corpus), documents
+    return pathlib.Path(made_once("corpus", write_corpus)), documents
 
 
 @pytest.fixture(scope="session")

@@ -322,5 +322,6 @@ def test_tiktoken_files_are_not_supported(tmp_path):
 
 def test_tokenizers_not_installed(bpe_tokenizer_json, monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # import tokenizers then raises ImportError
+    monkeypatch.setattr(tokenizers_module, "_LOADED", {})  # as in a fresh process: nothing loaded yet
     with pytest.raises(ConfigError, match=r"the tokenizers library is not installed; pip install tokenizers$"):
         load_tokenizer(bpe_tokenizer_json)
