@@ -38,6 +38,7 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import warm_commands  # noqa: E402
 from scheduling import pytest_collection_modifyitems  # noqa: E402, F401  (how the workers share the suite)
 
 from fbt_jax.model import ModelConfig, build_model  # noqa: E402
@@ -123,10 +124,36 @@ def train_argv(workdir: str, *overrides: str) -> list[str]:
 # --- commands as subprocesses ----------------------------------------------------------------------------
 
 
-def command(argv: list[str]) -> list[str]:
+_WARM: dict[str, str] = {}
+
+
+def warm_bin() -> str | None:
+    """The directory of this pytest worker's warm shims for the fbt-* commands (tests/warm_commands.py:
+    the same scripts, without importing jax again), its server started on first use; None where
+    FBT_TEST_COLD is set (every command then starts cold, as a user's does)."""
+    if os.environ.get("FBT_TEST_COLD") or not os.path.exists(os.path.join(BIN, "fbt-train")):
+        return None
+    if "bin" not in _WARM:
+        server, shim_dir = warm_commands.start(BIN, dict(os.environ))
+        atexit.register(warm_commands.stop, server, shim_dir)
+        _WARM["bin"] = shim_dir
+    return _WARM["bin"]
+
+
+def with_warm_commands(env: dict[str, str]) -> dict[str, str]:
+    """`env` with the warm shims first on its PATH: for shell lines (the documented commands)."""
+    shims = warm_bin()
+    return env if shims is None else {**env, "PATH": shims + os.pathsep + env.get("PATH", "")}
+
+
+def command(argv: list[str], warm: bool = False) -> list[str]:
     """`argv` ready to run: an fbt-* program is this environment's script (`python -m` its module
-    where the package is not installed), a launch/ script runs under bash, anything else as is."""
+    where the package is not installed; with `warm`, its warm shim where there is one), a launch/
+    script runs under bash, anything else as is."""
     program = argv[0]
+    shims = warm_bin() if warm and program in warm_commands.SERVED else None
+    if shims is not None and os.path.exists(os.path.join(shims, program)):
+        return [os.path.join(shims, program), *argv[1:]]
     if program in MODULES:
         script = os.path.join(BIN, program)
         head = [script] if os.path.exists(script) else [sys.executable, "-m", MODULES[program]]
@@ -148,13 +175,15 @@ def cpu_env(devices: int | None = 1, **extra: str) -> dict[str, str]:
 
 
 def run_command(argv: list[str], env=None, cwd=ROOT, timeout=None, **kwargs) -> subprocess.CompletedProcess:
-    """Run `argv` (see `command`) from `cwd` to its end, its output captured as text. With `env`
+    """Run `argv` (see `command`; warm) from `cwd` to its end, its output captured as text. With `env`
     None it inherits this process's environment (8 simulated devices)."""
-    return subprocess.run(command(argv), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, **kwargs)
+    argv = command(argv, warm=True)
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, **kwargs)
 
 
 def start_command(argv: list[str], env=None, cwd=ROOT, **kwargs) -> subprocess.Popen:
-    """Start `argv` (see `command`) from `cwd`, in text mode; `kwargs` go to Popen (stdout=...)."""
+    """Start `argv` (see `command`; cold, as the tests that start a command signal or kill it) from
+    `cwd`, in text mode; `kwargs` go to Popen (stdout=...)."""
     return subprocess.Popen(command(argv), cwd=cwd, env=env, text=True, **kwargs)
 
 

@@ -13,7 +13,7 @@ import re
 import shutil
 
 import pytest
-from conftest import ROOT, cpu_env, run_command
+from conftest import ROOT, cpu_env, run_command, with_warm_commands
 
 DOCS = [
     "README.md",
@@ -400,8 +400,9 @@ def test_documented_commands_work_as_written(checkout_outputs):
     chain = checkout_outputs
     for doc, command, append, expected in [run[1:] for run in RUNS if run[0] == chain]:
         line = f"{command} {append}".strip() if "#" not in command else command.replace("#", f"{append} #", 1)
-        # As a user runs it: one CPU device (no XLA_FLAGS), this environment's commands on PATH.
-        result = run_command(["bash", "-c", line], cpu_env(None), timeout=900)
+        # As a user runs it: one CPU device (no XLA_FLAGS), this environment's commands on PATH (warm:
+        # tests/warm_commands.py).
+        result = run_command(["bash", "-c", line], with_warm_commands(cpu_env(None)), timeout=900)
         output = result.stdout + result.stderr
         assert result.returncode == 0, f"{doc}: `{line}` failed ({result.returncode}):\n{output[-3000:]}"
         assert expected in output, f"{doc}: `{line}` did not print {expected!r}:\n{output[-3000:]}"
