@@ -13,7 +13,7 @@ from flax import nnx
 from fbt_jax.feedback import kpass_forward
 from fbt_jax.losses import token_nll
 from fbt_jax.model import ModelConfig, build_model
-from fbt_jax.train.step import eval_step, make_optimizer, step_settings, train_step
+from fbt_jax.train.step import eval_step, make_optimizer, optimizer_with, step_settings, train_step
 from fbt_jax.train.trainer import Trainer
 
 
@@ -51,11 +51,11 @@ def test_train_step_applies_noise_and_prefix_mixin_and_eval_is_deterministic(tmp
         step = functools.partial(
             train_step,
             graphdef=trainer.programs.graphdef,
-            tx=trainer.programs.tx,
-            lr_schedule=trainer.programs.lr_schedule,
+            make_tx=functools.partial(optimizer_with, config),
             num_passes=2,
         )
-        return jax.jit(step, static_argnames="settings")(trainer.state, batch, settings=settings)[1]
+        lr_constants = trainer.programs.lr_constants
+        return jax.jit(step, static_argnames="settings")(trainer.state, batch, lr_constants, settings=settings)[1]
 
     base = step_settings(config)
     with_noise, again = run(base), run(base)
@@ -96,12 +96,11 @@ def test_microbatches_give_the_full_batch_update(tmp_path, num_passes):
         step = functools.partial(
             train_step,
             graphdef=p.graphdef,
-            tx=p.tx,
-            lr_schedule=p.lr_schedule,
+            make_tx=functools.partial(optimizer_with, config),
             settings=step_settings(config),
             num_passes=num_passes,
         )
-        results[microbatches] = jax.jit(step)(trainer.state, batch)
+        results[microbatches] = jax.jit(step)(trainer.state, batch, p.lr_constants)
     (full_state, full_metrics) = results[1]
     for microbatches in (2, 4):
         state, metrics = results[microbatches]

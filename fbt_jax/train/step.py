@@ -1,11 +1,13 @@
-"""The pure step functions: `train_step(state, batch)` and `eval_step(params, batch)` for a static
-pass count K, and the optimizer they update with. No I/O, no Python state: `programs.py` compiles
+"""The pure step functions: `train_step(state, batch, lr_constants)` and `eval_step(params, batch)`
+for a static pass count K, and the optimizer they update with. No I/O, no Python state: `programs.py` compiles
 them ahead of time, once per K, with explicit shardings.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -18,6 +20,7 @@ from fbt_jax.contraction import pass_change_sums
 from fbt_jax.feedback import PassOptions, draw_fuse_from, kpass_forward, kpass_loss
 from fbt_jax.layers import default_positions
 from fbt_jax.losses import readout_stats
+from fbt_jax.train.learning_rate import learning_rate, schedule_of
 
 
 @struct.dataclass
@@ -56,14 +59,16 @@ def step_settings(config: ml_collections.ConfigDict) -> StepSettings:
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The run's optimizer with its learning-rate schedule's constants fixed, and that schedule:
+    for the state's layout and for use outside the compiled step (which builds its own from the
+    constants it is given: `optimizer_with`)."""
+    lr_schedule = schedule_of(config)
+    return optimizer_with(config, lr_schedule), lr_schedule
+
+
+def optimizer_with(config: ml_collections.ConfigDict, lr_schedule: optax.Schedule) -> optax.GradientTransformation:
+    """AdamW with `config`'s settings at `lr_schedule`, after global-norm clipping."""
     o = config.optimizer
-    lr_schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=o.learning_rate,
-        warmup_steps=o.warmup_steps,
-        decay_steps=config.train.steps,
-        end_value=o.learning_rate * o.min_learning_rate_ratio,
-    )
 
     def decay_mask(params: nnx.State) -> Any:
         # Decay matrices only. The fusion matrices are exempt: they get no gradient while K = 1
@@ -75,19 +80,23 @@ def make_optimizer(config: ml_collections.ConfigDict) -> tuple[optax.GradientTra
 
     chain = [optax.clip_by_global_norm(o.grad_clip_norm)] if o.grad_clip_norm > 0 else []
     chain.append(optax.adamw(lr_schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask))
-    return optax.chain(*chain), lr_schedule
+    return optax.chain(*chain)
 
 
 def train_step(
     state: TrainState,
     batch: dict[str, jax.Array],
+    lr_constants: dict[str, jax.Array],
     *,
     graphdef: nnx.GraphDef,
-    tx: optax.GradientTransformation,
-    lr_schedule: optax.Schedule,
+    make_tx: Callable[[optax.Schedule], optax.GradientTransformation],
     settings: StepSettings,
     num_passes: int,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step with K = `num_passes`, at the learning rate that `lr_constants`
+    (learning_rate.schedule_constants: data, not part of the program) give `state.step`."""
+    lr_schedule = functools.partial(learning_rate, constants=lr_constants)
+    tx = make_tx(lr_schedule)
     # Per-step randomness (prefix mix-in, noise) is keyed by (seed, step) only, like K.
     step_rng = jax.random.fold_in(jax.random.PRNGKey(settings.seed), state.step)
     fuse_rng, noise_rng = jax.random.split(step_rng)

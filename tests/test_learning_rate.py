@@ -1,0 +1,61 @@
+"""The learning-rate schedule as data (fbt_jax/train/learning_rate.py): the bits of optax's
+`warmup_cosine_decay_schedule` as the train step used to compile it (constants baked in), and one
+compiled train program for runs that differ only in their schedule."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import load_config, run_config
+
+from fbt_jax.train.learning_rate import learning_rate, schedule_constants, schedule_of
+from fbt_jax.train.trainer import Trainer
+
+
+def schedule_config(steps: int, warmup: int, peak: float, ratio: float):
+    config = load_config("tiny")
+    config.train.steps, config.optimizer.warmup_steps = steps, warmup
+    config.optimizer.learning_rate, config.optimizer.min_learning_rate_ratio = peak, ratio
+    return config
+
+
+def test_the_schedule_has_optaxs_bits_under_jit_for_every_length_warmup_and_rate():
+    compiled = jax.jit(jax.vmap(learning_rate, in_axes=(0, None)))
+    checked = 0
+    for steps, warmup, peak, ratio in itertools.product(
+        [4, 60, 300, 3000, 15000], [0, 1, 50], [3e-3, 6e-4, 0.1], [0.0, 0.1]
+    ):
+        if warmup >= steps:
+            continue
+        steps_S = jnp.arange(0, steps + 3, dtype=jnp.int32)
+        reference = optax.warmup_cosine_decay_schedule(0.0, peak, warmup, steps, end_value=peak * ratio)
+        expected = np.asarray(jax.jit(jax.vmap(reference))(steps_S))
+        constants = {
+            k: jnp.asarray(v) for k, v in schedule_constants(schedule_config(steps, warmup, peak, ratio)).items()
+        }
+        got = np.asarray(compiled(steps_S, constants))
+        assert np.array_equal(got.view(np.int32), expected.view(np.int32)), (steps, warmup, peak, ratio)
+        checked += 1
+    assert checked == 84
+    lr = schedule_of(schedule_config(300, 50, 3e-3, 0.1))  # outside a compiled step too
+    assert float(lr(0)) == 0.0 and float(lr(50)) == pytest.approx(3e-3) and float(lr(300)) == pytest.approx(3e-4)
+
+
+@pytest.mark.slow
+def test_runs_that_differ_only_in_their_schedule_share_a_compiled_train_program(tmp_path):
+    """The second run's train step is the first's, loaded from the persistent compilation cache
+    (tests/conftest.py gives the session one), although its length, warm-up and rate differ."""
+    assert jax.config.jax_compilation_cache_dir
+    reports = {}
+    for name, steps, warmup, peak in (("short", 7, 1, 3e-3), ("long", 345, 50, 1e-3)):
+        config = run_config(tmp_path, name, steps=steps, schedule="0:1")
+        config.optimizer.warmup_steps, config.optimizer.learning_rate = warmup, peak
+        config.model.mlp_dim = 48  # a program no other test compiles
+        trainer = Trainer(config, log=lambda *_: None, devices=jax.devices()[:1])
+        reports[name] = trainer.programs.compile(pass_counts=(1,))["train_K1"]
+    assert reports["long"]["cache_hit"] == 1.0  # with the schedule baked in, a new program: a miss
