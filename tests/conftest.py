@@ -175,9 +175,11 @@ def cpu_env(devices: int | None = 1, **extra: str) -> dict[str, str]:
 
 
 def run_command(argv: list[str], env=None, cwd=ROOT, timeout=None, **kwargs) -> subprocess.CompletedProcess:
-    """Run `argv` (see `command`; warm) from `cwd` to its end, its output captured as text. With `env`
-    None it inherits this process's environment (8 simulated devices)."""
-    argv = command(argv, warm=True)
+    """Run `argv` (see `command`; warm where it can be) from `cwd` to its end, its output captured as
+    text. With `env` None it inherits this process's environment (8 simulated devices)."""
+    # Warm unless the caller shapes the process itself (preexec_fn setting a limit, a session, ...):
+    # the shim would take it, not the command.
+    argv = command(argv, warm=set(kwargs) <= {"check", "input"})
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, **kwargs)
 
 
