@@ -90,8 +90,11 @@ def serve(path: str, base: dict[str, str]) -> dict:
     selector.register(wakeup_r, selectors.EVENT_READ, "reap")
     children: dict[int, socket.socket] = {}
     closed: set[socket.socket] = set()  # connections of children whose shim is gone
+    parent = os.getppid()
     while True:
-        for key, _ in selector.select():
+        if os.getppid() != parent:  # the pytest worker is gone, without stopping this server
+            sys.exit(0)
+        for key, _ in selector.select(timeout=1.0):
             if key.data == "accept":
                 conn, _ = listener.accept()
                 request, fds = receive(conn)
