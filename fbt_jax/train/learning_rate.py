@@ -49,7 +49,7 @@ def learning_rate(step: jax.Array, constants: dict[str, jax.Array]) -> jax.Array
     optax's schedule, so the same bits."""
     c = constants
     # Warm-up: optax's linear (polynomial, power 1) schedule from 0 to the peak.
-    count = jnp.clip(step - 0, 0, c["warmup_steps"])
+    count = jnp.clip(step, 0, c["warmup_steps"])
     frac = 1 - count / c["warmup_steps"]  # 0/0 when there is no warm-up: never selected below
     warm = (0.0 - c["peak"]) * (frac**1) + c["peak"]
     # Then optax's cosine decay, counted from the end of the warm-up.
