@@ -9,6 +9,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import atexit  # noqa: E402
+import contextlib  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
@@ -36,12 +37,35 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import warm_commands  # noqa: E402
 from scheduling import pytest_collection_modifyitems  # noqa: E402, F401  (how the workers share the suite)
 
 from fbt_jax.model import ModelConfig, build_model  # noqa: E402
+
+# The in-process tests' own programs compile with most of XLA's optimisation off: they are tiny,
+# and compiling them cost more than running them (-45% of a compile-bound test's CPU time). A flag
+# of this process alone: the commands the tests start (and the warm server) compile as a user's
+# run does, and the persistent cache's keys tell the two kinds of program apart.
+jax.config.update("jax_disable_most_optimizations", True)
+
+
+@contextlib.contextmanager
+def optimised_programs():
+    """Within it, this process compiles with XLA's full optimisation, as the commands do: for a file
+    that compares in-process figures with a command's to a tolerance finer than the two ways of
+    compiling agree on. jit's in-memory caches are cleared on the way in and out (the setting is not
+    part of their key), so no program compiled the other way is reused."""
+    jax.clear_caches()
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", True)
+        jax.clear_caches()
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)  # this environment's fbt-* scripts

@@ -193,6 +193,7 @@ def test_two_processes_save_and_restore_together(tmp_path):
         "--config.passes.schedule=0:1=0.5,2=0.5",
         "--config.checkpoint.every_steps=6",
         "--config.eval.num_batches=0",
+        "--config.eval.contraction_every_steps=0",  # no monitor: its multi-process run is test_multiprocess's
     ]
     run_command(command, cpu_env(2), check=True)
     first = losses(workdir)
