@@ -58,12 +58,13 @@ def optimised_programs():
     that compares in-process figures with a command's to a tolerance finer than the two ways of
     compiling agree on. jit's in-memory caches are cleared on the way in and out (the setting is not
     part of their key), so no program compiled the other way is reused."""
+    before = jax.config.values["jax_disable_most_optimizations"]
     jax.clear_caches()
     jax.config.update("jax_disable_most_optimizations", False)
     try:
         yield
     finally:
-        jax.config.update("jax_disable_most_optimizations", True)
+        jax.config.update("jax_disable_most_optimizations", before)
         jax.clear_caches()
 
 
