@@ -47,15 +47,17 @@ def test_the_schedule_has_optaxs_bits_under_jit_for_every_length_warmup_and_rate
 
 
 @pytest.mark.slow
-def test_runs_that_differ_only_in_their_schedule_share_a_compiled_train_program(tmp_path):
+def test_runs_that_differ_only_in_their_schedule_or_seed_share_a_compiled_train_program(tmp_path):
     """The second run's train step is the first's, loaded from the persistent compilation cache
-    (tests/conftest.py gives the session one), although its length, warm-up and rate differ."""
+    (tests/conftest.py gives the session one), although its length, warm-up, rate and seed differ
+    (step.step_constants: arguments of the step, not constants in it)."""
     assert jax.config.jax_compilation_cache_dir
     reports = {}
-    for name, steps, warmup, peak in (("short", 7, 1, 3e-3), ("long", 345, 50, 1e-3)):
+    for name, steps, warmup, peak, seed in (("short", 7, 1, 3e-3, 0), ("long", 345, 50, 1e-3, 1)):
         config = run_config(tmp_path, name, steps=steps, schedule="0:1")
         config.optimizer.warmup_steps, config.optimizer.learning_rate = warmup, peak
+        config.seed = seed
         config.model.mlp_dim = 48  # a program no other test compiles
         trainer = Trainer(config, log=lambda *_: None, devices=jax.devices()[:1])
         reports[name] = trainer.programs.compile(pass_counts=(1,))["train_K1"]
-    assert reports["long"]["cache_hit"] == 1.0  # with the schedule baked in, a new program: a miss
+    assert reports["long"]["cache_hit"] == 1.0  # with the schedule or seed baked in, a new program: a miss

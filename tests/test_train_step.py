@@ -54,8 +54,8 @@ def test_train_step_applies_noise_and_prefix_mixin_and_eval_is_deterministic(tmp
             make_tx=functools.partial(optimizer_with, config),
             num_passes=2,
         )
-        lr_constants = trainer.programs.lr_constants
-        return jax.jit(step, static_argnames="settings")(trainer.state, batch, lr_constants, settings=settings)[1]
+        constants = trainer.programs.step_constants
+        return jax.jit(step, static_argnames="settings")(trainer.state, batch, constants, settings=settings)[1]
 
     base = step_settings(config)
     with_noise, again = run(base), run(base)
@@ -100,7 +100,7 @@ def test_microbatches_give_the_full_batch_update(tmp_path, num_passes):
             settings=step_settings(config),
             num_passes=num_passes,
         )
-        results[microbatches] = jax.jit(step)(trainer.state, batch, p.lr_constants)
+        results[microbatches] = jax.jit(step)(trainer.state, batch, p.step_constants)
     (full_state, full_metrics) = results[1]
     for microbatches in (2, 4):
         state, metrics = results[microbatches]

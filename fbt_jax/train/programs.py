@@ -23,7 +23,6 @@ from fbt_jax import attention, contraction, sharding
 from fbt_jax.model import ModelConfig, abstract_model, build_model
 from fbt_jax.run_services import CACHE_HITS
 from fbt_jax.schedule import PassSchedule
-from fbt_jax.train.learning_rate import schedule_constants
 from fbt_jax.train.program_facts import out_of_memory
 from fbt_jax.train.step import (
     TrainState,
@@ -31,6 +30,7 @@ from fbt_jax.train.step import (
     eval_step,
     make_optimizer,
     optimizer_with,
+    step_constants,
     step_settings,
     train_step,
 )
@@ -53,7 +53,7 @@ class TrainPrograms:
         self.batch_sharding = sharding.batch_sharding(self.mesh, self.rules)
         self.model_cfg = ModelConfig.from_config(config.model)
         self.tx, self.lr_schedule = make_optimizer(config)
-        self.lr_constants = schedule_constants(config)  # the train step's third argument
+        self.step_constants = step_constants(config)  # the train step's third argument
         self.layout = sharding.activation_layout(self.mesh, self.rules)
         cfg = self.model_cfg  # which attention runs (a ConfigError naming one that can, if it cannot)
         platform, head_dim = self.mesh.devices.flat[0].platform, cfg.head_size
@@ -128,7 +128,7 @@ class TrainPrograms:
         abstract_state = self.sharded_abstract_state()
         replicated = sharding.replicated(self.mesh)
         settings = step_settings(self.config)
-        lr_constants = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.lr_constants)
+        constants = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.step_constants)
         for k in self.schedule.pass_counts if pass_counts is None else pass_counts:
             step_fn = functools.partial(
                 train_step,
@@ -144,8 +144,8 @@ class TrainPrograms:
                 donate_argnums=0,
             )
             batch = self.abstract_batch(self.config.train.batch_size)
-            compiled, report[f"train_K{k}"] = self._compile(f"train_K{k}", jitted, abstract_state, batch, lr_constants)
-            self.train[k] = None if compiled is None else TrainProgram(compiled, self.lr_constants, replicated)
+            compiled, report[f"train_K{k}"] = self._compile(f"train_K{k}", jitted, abstract_state, batch, constants)
+            self.train[k] = None if compiled is None else TrainProgram(compiled, self.step_constants, replicated)
             self.log(f"compiled train step K={k}: {describe(report[f'train_K{k}'], self.refused.get(f'train_K{k}'))}")
         e = self.config.eval
         if e.num_batches > 0:
@@ -193,11 +193,11 @@ class TrainPrograms:
 
 
 class TrainProgram:
-    """A compiled train step with its run's learning-rate constants bound: `program(state, batch)`.
+    """A compiled train step with its run's constants (step.step_constants) bound: `program(state, batch)`.
     Everything else (`as_text()`, `memory_analysis()`, ...) is the compiled program's."""
 
-    def __init__(self, compiled: Any, lr_constants: dict[str, Any], sharding: jax.sharding.Sharding):
-        self.compiled, self._constants, self._sharding = compiled, lr_constants, sharding
+    def __init__(self, compiled: Any, constants: dict[str, Any], sharding: jax.sharding.Sharding):
+        self.compiled, self._constants, self._sharding = compiled, constants, sharding
         self._placed: Any = None  # on the devices at the first step (a dry run's devices hold nothing)
 
     def __call__(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:

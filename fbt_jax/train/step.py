@@ -1,4 +1,4 @@
-"""The pure step functions: `train_step(state, batch, lr_constants)` and `eval_step(params, batch)`
+"""The pure step functions: `train_step(state, batch, constants)` and `eval_step(params, batch)`
 for a static pass count K, and the optimizer they update with. No I/O, no Python state: `programs.py` compiles
 them ahead of time, once per K, with explicit shardings.
 """
@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 from flax import nnx, struct
 
@@ -20,7 +21,7 @@ from fbt_jax.contraction import pass_change_sums
 from fbt_jax.feedback import PassOptions, draw_fuse_from, kpass_forward, kpass_loss
 from fbt_jax.layers import default_positions
 from fbt_jax.losses import readout_stats
-from fbt_jax.train.learning_rate import learning_rate, schedule_of
+from fbt_jax.train.learning_rate import learning_rate, schedule_constants, schedule_of
 
 
 @struct.dataclass
@@ -38,7 +39,6 @@ class StepSettings:
     prefix_mixin_prob: float
     fuse_from_min: int
     fuse_from_max: int
-    seed: int
     microbatches: int = 1
 
 
@@ -53,9 +53,16 @@ def step_settings(config: ml_collections.ConfigDict) -> StepSettings:
         prefix_mixin_prob=float(p.prefix_mixin_prob),
         fuse_from_min=int(p.fuse_from_min),
         fuse_from_max=int(p.fuse_from_max),
-        seed=int(config.seed),
         microbatches=int(config.train.microbatches),
     )
+
+
+def step_constants(config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
+    """The train step's run constants, arguments of the compiled step rather than numbers baked into
+    it: the learning-rate schedule's (learning_rate.schedule_constants) and the seed that keys the
+    per-step randomness. Runs that differ only in their length, schedule or seed (a sweep's seeds)
+    share their compiled programs."""
+    return {**schedule_constants(config), "seed": np.int32(config.seed)}
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -86,19 +93,19 @@ def optimizer_with(config: ml_collections.ConfigDict, lr_schedule: optax.Schedul
 def train_step(
     state: TrainState,
     batch: dict[str, jax.Array],
-    lr_constants: dict[str, jax.Array],
+    constants: dict[str, jax.Array],
     *,
     graphdef: nnx.GraphDef,
     make_tx: Callable[[optax.Schedule], optax.GradientTransformation],
     settings: StepSettings,
     num_passes: int,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer step with K = `num_passes`, at the learning rate that `lr_constants`
-    (learning_rate.schedule_constants: data, not part of the program) give `state.step`."""
-    lr_schedule = functools.partial(learning_rate, constants=lr_constants)
+    """One optimizer step with K = `num_passes`, at the learning rate that `constants`
+    (`step_constants`: data, not part of the program) give `state.step`."""
+    lr_schedule = functools.partial(learning_rate, constants=constants)
     tx = make_tx(lr_schedule)
     # Per-step randomness (prefix mix-in, noise) is keyed by (seed, step) only, like K.
-    step_rng = jax.random.fold_in(jax.random.PRNGKey(settings.seed), state.step)
+    step_rng = jax.random.fold_in(jax.random.PRNGKey(constants["seed"]), state.step)
     fuse_rng, noise_rng = jax.random.split(step_rng)
     fuse_from_B = draw_fuse_from(
         fuse_rng, batch["inputs"].shape[0], settings.prefix_mixin_prob, settings.fuse_from_min, settings.fuse_from_max
