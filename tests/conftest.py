@@ -41,7 +41,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import warm_commands  # noqa: E402
-from scheduling import pytest_collection_modifyitems  # noqa: E402, F401  (how the workers share the suite)
+from scheduling import pytest_collection_modifyitems, pytest_xdist_make_scheduler  # noqa: E402, F401  (how the workers share the suite)
 
 from fbt_jax.model import ModelConfig, build_model  # noqa: E402
 

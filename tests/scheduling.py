@@ -1,15 +1,21 @@
 """How the suite is shared between pytest-xdist's workers (one per core), so that both stay busy
-to the end: `--dist loadgroup --no-loadscope-reorder` (pyproject.toml) with a group per test file
-(a file's module fixtures, e.g. the trained runs its tests share, are made once, as with
-`--dist loadfile`), except where a file lets its tests go to any worker, and the groups sent out
-longest first (the longest-processing-time rule: a long group started last would leave the other
-core idle while it runs).
+to the end: groups of tests, each run by one worker in file order (a file's module fixtures, e.g.
+the trained runs its tests share, are made once), a group per test file except where a file lets
+its tests go to any worker, and the groups sent out longest first (the longest-processing-time
+rule: a long group started last would leave the other core idle while it runs).
+
+The groups reach xdist through our own scheduler (`GroupScheduling`, made by conftest's
+`pytest_xdist_make_scheduler`), not through xdist's `xdist_group` mark: xdist passes a mark's
+group by appending it to the test's id, which pytest 9.2 no longer lets it do, and `--dist
+loadgroup` then silently sends every test anywhere (pytest-xdist#1386; measured: a file's module
+fixtures made once per worker). Each worker writes the groups it collected to the session's shared
+directory; the scheduler, in the controller, reads them once both workers have collected.
 
 - A file whose tests share no module fixture sets `XDIST_SPLIT = True`: each test is its own group.
 - A long file whose module fixtures are cheap next to its tests sets `XDIST_PARTS = n`: its tests,
   in file order, make n groups (each worker that takes one makes the fixtures once for it).
 - A test may name its own group (`@pytest.mark.xdist_group("name")`): tests of one name run in
-  one worker, in file order (test_docs.py's chains of commands that build on each other).
+  one worker, in file order.
 - SECONDS holds what each long group took on 2 cores (measured with `--durations=0`; a rough
   figure is enough: it only orders the groups). Groups it does not name come after, in file order.
 """
@@ -17,8 +23,13 @@ core idle while it runs).
 from __future__ import annotations
 
 import collections
+import json
+import os
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
+
+GROUPS_FILE = "xdist-groups.json"  # in $FBT_TEST_SHARED_DIR (tests/conftest.py): test id → group
 
 # Groups that take long, with their seconds on 2 cores (both busy; a fresh clone's .ci/run at
 # cf5d9b5, warm commands; a file in parts counted half per part): the longest start first.
@@ -72,7 +83,7 @@ def group_of(item: pytest.Item, index: int, count: int) -> str:
     return f"{file}#{index * parts // count + 1}" if parts > 1 else file
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks into the test ids
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     per_file = collections.Counter(item.nodeid.split("::")[0] for item in items)
     index_in_file: collections.Counter = collections.Counter()
@@ -82,11 +93,42 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         group = group_of(item, index_in_file[file], per_file[file])
         index_in_file[file] += 1
         first_seen.setdefault(group, len(first_seen))
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(group))
         item.stash[GROUP] = group
     # A stable sort: a group's tests keep their order; the long groups come first, longest first.
     items.sort(key=lambda item: (-SECONDS.get(item.stash[GROUP], 0.0), first_seen[item.stash[GROUP]]))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # for GroupScheduling, in the controller
+        path = os.path.join(os.environ["FBT_TEST_SHARED_DIR"], GROUPS_FILE)
+        temporary = f"{path}.{os.environ['PYTEST_XDIST_WORKER']}"
+        with open(temporary, "w", encoding="utf-8") as f:
+            json.dump({item.nodeid: item.stash[GROUP] for item in items}, f)
+        os.replace(temporary, path)  # both workers write the same map; a reader sees one whole
 
 
 GROUP = pytest.StashKey[str]()
+
+
+class GroupScheduling(LoadScopeScheduling):
+    """xdist's scope scheduling (a scope goes to one worker whole, scopes in collection order, which
+    is longest group first) with our groups as the scopes."""
+
+    groups: dict[str, str] | None = None
+
+    def _split_scope(self, nodeid: str) -> str:
+        if self.groups is None:  # both workers have collected (and written) by the first call
+            path = os.path.join(os.environ["FBT_TEST_SHARED_DIR"], GROUPS_FILE)
+            with open(path, encoding="utf-8") as f:
+                self.groups = json.load(f)
+        # An id may carry xdist's own "@group" suffix (pytest before 9.2, a test with its own mark).
+        group = self.groups.get(nodeid) or self.groups.get(nodeid.rpartition("@")[0])
+        if group is None:
+            raise RuntimeError(f"tests/scheduling.py: no group for {nodeid!r} in {GROUPS_FILE}")
+        return group
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> LoadScopeScheduling | None:
+    """Our groups for `--dist loadgroup` (pyproject.toml's); any other --dist is xdist's own."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    config.option.loadscopereorder = False  # keep the collection's order: longest group first
+    return GroupScheduling(config, log)
