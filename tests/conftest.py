@@ -77,6 +77,7 @@ MODULES = {
     "fbt-prepare": "fbt_jax.data.prepare",
     "fbt-train-tokenizer": "fbt_jax.data.train_tokenizer",
     "fbt-sweep": "fbt_jax.sweep.cli",
+    "fbt-serve": "fbt_jax.serve.cli",
 }
 
 

@@ -121,7 +121,7 @@ FLOORS = (
     ("fbt_jax.data",),  # files → documents → tokens → records → batches
     ("fbt_jax.config", "fbt_jax.trained"),  # a run's config and a trained run read back
     ("fbt_jax.interop",),  # Hugging Face checkpoints in and out
-    ("fbt_jax.evals", "fbt_jax.evaluate", "fbt_jax.decode_cli"),  # evaluation and decoding commands
+    ("fbt_jax.evals", "fbt_jax.evaluate", "fbt_jax.decode_cli", "fbt_jax.serve"),  # evaluation, decoding, serving
     ("fbt_jax.validation", "fbt_jax.train"),  # checking a run's config, then training it
     ("fbt_jax.sweep",),  # sweeps of runs
 )

@@ -235,6 +235,13 @@ class HuggingFaceTokenizer(_Reloaded):
     def encode_prompt(self, text: str) -> list[int]:
         return self.encode(text)[:-1].tolist()  # the last id is always the end-of-document
 
+    def encode_plain(self, text: str) -> list[int]:
+        """The text's ids with no special token added (a chat template writes its own)."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def token_string(self, token_id: int) -> str:
+        return self._tok.id_to_token(token_id)
+
     def decode(self, ids: Any) -> str:
         skip = {self.eos_id, self.bos_id}
         return self._tok.decode([int(i) for i in ids if 0 <= i < self.vocab_size and int(i) not in skip])
