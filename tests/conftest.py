@@ -215,6 +215,27 @@ def start_command(argv: list[str], env=None, cwd=ROOT, **kwargs) -> subprocess.P
     return subprocess.Popen(command(argv), cwd=cwd, env=env, text=True, **kwargs)
 
 
+@contextlib.contextmanager
+def running(app):
+    """An ASGI app (fbt-serve's) served by uvicorn on a free local port, in a thread of this
+    process; yields its base URL."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, timeout=60)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
 def last_line(text: str) -> str:
     """The last non-empty line of a command's output (after a progress bar's carriage returns):
     where every fbt-* command reports its one-line error."""

@@ -366,3 +366,42 @@ def test_a_refusal_while_building_requests_leaves_no_evaluation_behind(tmp_path,
                              "--modes=standard", f"--output={tmp_path}/out"], capsys)  # fmt: skip
     assert code == 2 and "does not fit the model's context" in last_line(stderr), stderr
     assert not (tmp_path / "out").exists()  # no eval.json or cache/ to refuse the corrected command
+
+
+@pytest.mark.slow
+def test_local_completions_against_fbt_serve_scores_as_the_in_process_backend(evaluated):
+    """lm-evaluation-harness's own `local-completions` model (the OpenAI completions API, tokenized by
+    the server's /tokenize) against fbt-serve on the run: each multiple-choice loglikelihood and
+    greedy flag equals the in-process backend's in standard mode (echo + logprobs score the prompt
+    with one plain pass, as that backend does)."""
+    import lm_eval
+    import lm_eval.models.openai_completions  # noqa: F401  (registers local-completions)
+    from conftest import running
+    from lm_eval.tasks import TaskManager
+
+    from fbt_jax.serve.api import Served, create_app
+    from fbt_jax.serve.pool import Pool
+    from fbt_jax.serve.text import Codec
+
+    results, lm = evaluated["standard"]
+    loaded = lm.loaded
+    pool = Pool(loaded.model, 2, 64, buckets=(64,))
+    pool.compile()
+    codec = Codec(type("Data", (), {"source": "text", "tokenizer": loaded.tokenizer})())
+    served = Served("text", pool, codec, loaded.model.cfg.vocab_size)
+    here = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        with running(create_app(served)) as url:
+            args = f"base_url={url}/v1/completions,model=text,tokenizer_backend=remote,max_retries=1"
+            manager = TaskManager(include_path=HARNESS_TASKS, include_defaults=False)
+            served_results = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=["tiny_mc"],
+                                                     task_manager=manager, bootstrap_iters=0)  # fmt: skip
+    finally:
+        os.chdir(here)
+    by_doc = lambda r: {(s["doc_id"], i): resp[0] for s in r["samples"]["tiny_mc"] for i, resp in enumerate(s["resps"])}
+    want, got = by_doc(results), by_doc(served_results)
+    assert want.keys() == got.keys() and len(want) > 8
+    for key, (loglikelihood, greedy) in want.items():
+        assert got[key][0] == pytest.approx(loglikelihood, abs=1e-4) and got[key][1] == greedy, key
+    assert served_results["results"]["tiny_mc"]["acc,none"] == results["results"]["tiny_mc"]["acc,none"]

@@ -6,11 +6,9 @@ fails alone, and the command serves a trained run, drains on SIGTERM and exits 0
 
 Most tests share one in-process server on a small random model (its programs compiled once)."""
 
-import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -21,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import cpu_env, start_command
+from conftest import cpu_env, running, start_command
 
 from fbt_jax import decode
 from fbt_jax.feedback import kpass_forward
@@ -33,24 +31,6 @@ from fbt_jax.serve.text import ChatTemplate, Codec, chat_template
 
 CONTEXT, SLOTS = 24, 3
 TASK_DATA = types.SimpleNamespace(source="task")  # prompts and outputs are token ids
-
-
-@contextlib.contextmanager
-def running(app):
-    """The app served by uvicorn on a free local port, in a thread; yields its base URL."""
-    import uvicorn
-
-    sock = socket.create_server(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
