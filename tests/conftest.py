@@ -215,25 +215,12 @@ def start_command(argv: list[str], env=None, cwd=ROOT, **kwargs) -> subprocess.P
     return subprocess.Popen(command(argv), cwd=cwd, env=env, text=True, **kwargs)
 
 
-@contextlib.contextmanager
 def running(app):
     """An ASGI app (fbt-serve's) served by uvicorn on a free local port, in a thread of this
-    process; yields its base URL."""
-    import socket
-    import threading
+    process (`fbt_jax.serve.cli.running`); yields its base URL."""
+    from fbt_jax.serve.cli import running as serving
 
-    import uvicorn
-
-    sock = socket.create_server(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started, timeout=60)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    return serving(app)
 
 
 def last_line(text: str) -> str:

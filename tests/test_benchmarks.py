@@ -31,6 +31,7 @@ BENCHMARKS = {
     "interop_memory": "export",
     "restart_cost": "start_up",
     "harness_cost": "results",
+    "serve_throughput": "results",
 }
 # These quote what a command printed (a fenced text block) rather than a table.
 QUOTES_OUTPUT = {"first_run", "dry_run_memory"}

@@ -59,6 +59,35 @@ RUNS = [
         "",
         '"mode": "soft"',
     ),
+    # docs/serving.md: the server in the background, queried by curl, drained by SIGTERM.
+    (
+        "tiny",
+        "docs/serving.md",
+        "fbt-serve --checkpoint=runs/tiny > serve.log 2>&1 &   # reads the run, compiles, then listens on 127.0.0.1:8000",
+        "",
+        "",
+    ),
+    (
+        "tiny",
+        "docs/serving.md",
+        "curl -s --retry 60 --retry-connrefused --retry-delay 1 http://127.0.0.1:8000/v1/models",
+        "",
+        '"id":"tiny:soft"',
+    ),
+    (
+        "tiny",
+        "docs/serving.md",
+        """curl -s http://127.0.0.1:8000/v1/completions -H "Content-Type: application/json" -d '{"model": "tiny:soft", "prompt": "3 1 4 1 5", "max_tokens": 8, "temperature": 0}'""",
+        "",
+        '"finish_reason":"length"',
+    ),
+    (
+        "tiny",
+        "docs/serving.md",
+        'pkill -TERM -f "fbt-serve --checkpoint=runs/tiny"   # drains: running requests finish, then it exits 0',
+        "",
+        "",
+    ),
     # Passes up to 8 of the default 33 (the trained length + 1), 16 sequences, probes on 128: every
     # part of the report at a fraction of the cost.
     (
@@ -280,7 +309,7 @@ RUNS = [
 ]
 # What each chain of commands creates in the checkout (kept aside beforehand, removed afterwards).
 CREATED = {
-    "tiny": ["runs/tiny"],
+    "tiny": ["runs/tiny", "serve.log"],
     # docs/operations.md's profiled run (left behind, it made a second run of this test resume it)
     "short-runs": ["runs/profiled", "runs/schedule"],
     "text": ["runs/text", "prepared/stdlib-bpe", "prepared/stdlib-128", "prompts.txt", "gen.jsonl"],

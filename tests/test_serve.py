@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import cpu_env, running, start_command
+from conftest import cpu_env, running, start_command, wait_for
 
 from fbt_jax import decode
 from fbt_jax.feedback import kpass_forward
@@ -35,7 +35,7 @@ TASK_DATA = types.SimpleNamespace(source="task")  # prompts and outputs are toke
 
 @pytest.fixture(scope="module")
 def pool(small_model):
-    pool = Pool(small_model, SLOTS, CONTEXT, buckets=(8, 16), max_waiting=8, metrics=Metrics(SLOTS))
+    pool = Pool(small_model, SLOTS, CONTEXT, buckets=(12,), max_waiting=8, metrics=Metrics(SLOTS))
     pool.compile()
     return pool
 
@@ -58,10 +58,15 @@ def client(base_url):
     return OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
 
 
-def reference(model, prompt, mode, max_tokens):
-    """fbt-decode's greedy tokens (`decode.generate`, the batch of this prompt alone)."""
-    tokens, count = decode.generate(model, jnp.asarray([prompt]), jnp.asarray([len(prompt)]), max_tokens, mode)
-    return np.asarray(tokens)[0, : int(count[0])].tolist()
+def reference(model, prompt, mode, max_tokens, width=16, generated=12):
+    """fbt-decode's greedy tokens for the prompt alone (`decode.generate`, the prompt right-padded to
+    `width` as in a batch of longer ones): its first `max_tokens` of `generated` (greedy tokens do not
+    depend on how many follow), so that one program per mode serves every case."""
+    if len(prompt) > width or max_tokens > generated:
+        width, generated = len(prompt), max_tokens
+    padded = jnp.asarray([prompt + [0] * (width - len(prompt))])
+    tokens, count = decode.generate(model, padded, jnp.asarray([len(prompt)]), generated, mode)
+    return np.asarray(tokens)[0, : min(int(count[0]), max_tokens)].tolist()
 
 
 def prompt_of(length, salt=0):
@@ -324,3 +329,47 @@ def test_fbt_serve_serves_a_trained_run_and_drains_on_sigterm(trained_run, tmp_p
         assert "fbt-serve: stopped" in server.stdout.read()
     finally:
         server.kill()
+
+
+def test_a_client_that_goes_away_frees_its_slot(served, base_url, monkeypatch):
+    """A streaming client that closes its connection after the first chunk: its request leaves its
+    slot at the next step (counted as cancelled), long before its max_tokens."""
+    pool, real = served.pool, served.pool._step
+
+    def slow_step(sampling):  # 23 steps would take over a second: the request is cut well before
+        time.sleep(0.05)
+        return real(sampling)
+
+    monkeypatch.setattr(pool, "_step", slow_step)
+    cancelled = lambda: (
+        pool.metrics.registry.get_sample_value("fbt_requests_finished_total", {"mode": "soft", "reason": "cancelled"})
+        or 0.0
+    )
+    before, started = cancelled(), time.perf_counter()
+    body = {"model": "tiny:soft", "prompt": [1], "max_tokens": 23, "temperature": 0, "stream": True}
+    with httpx.stream("POST", base_url + "/v1/completions", json=body) as response:
+        next(response.iter_lines())
+    wait_for(lambda: cancelled() == before + 1 and not pool.running(), timeout=30)
+    assert time.perf_counter() - started < 23 * 0.05
+
+
+@pytest.mark.parametrize(
+    "flags,says",
+    [
+        (["--slots=0"], "--slots=0 must be at least 1"),
+        (["--prefill-buckets=64,x"], "is not comma-separated lengths"),
+        (["--port=70000"], "--port=70000 is not a port"),
+        (["--name=a:b"], "a model id here has no ':'"),
+        (["--checkpoint=/nonexistent/run"], "/nonexistent/run"),
+    ],
+)
+def test_fbt_serve_refuses_bad_flags_in_one_line(flags, says, capsys):
+    """Each refused before the checkpoint is read (or when it cannot be), as one line, exit code 2."""
+    from fbt_jax.serve import cli
+
+    argv = ["--checkpoint=/nonexistent/run", *flags] if not flags[0].startswith("--checkpoint") else flags
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1 and err.startswith("fbt-serve: "), err
+    assert exited.value.code != 0

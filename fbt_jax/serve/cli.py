@@ -11,9 +11,11 @@ docs/serving.md has the rest.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from fbt_jax import paths
@@ -127,6 +129,30 @@ def serve(served: Any, host: str, port: int, grace: float) -> None:
     print(f"fbt-serve: serving {', '.join(served.model_ids())} at http://{host}:{bound}/v1", flush=True)
     server.run(sockets=[sock])
     print("fbt-serve: stopped", flush=True)
+
+
+@contextlib.contextmanager
+def running(app: Any, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+    """An app served by uvicorn in a thread of this process (a notebook's, a benchmark's, the tests'),
+    on a free port unless one is given; yields its base URL and stops it on the way out."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    sock = socket.create_server((host, port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the server stopped while starting")
+        time.sleep(0.01)
+    try:
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 if __name__ == "__main__":

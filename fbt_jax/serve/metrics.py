@@ -25,6 +25,11 @@ class Metrics:
         self.requests = Counter(
             "fbt_requests_finished", "Requests (choices) finished, by mode and reason", ["mode", "reason"], registry=r
         )
+        # Summed over decode steps: their ratio (× slots × context) is the KV cache's mean occupancy.
+        self.steps = Counter("fbt_decode_steps", "Decode steps run", registry=r)
+        self.kv_held = Counter(
+            "fbt_kv_positions_held", "Cache positions holding a token, summed over steps", registry=r
+        )
         self.ttft = Histogram(
             "fbt_time_to_first_token_seconds",
             "From a request's arrival to its first token",
@@ -38,6 +43,10 @@ class Metrics:
 
     def generated(self, tokens: int) -> None:
         self.tokens.inc(tokens)
+
+    def step(self, positions_held: int) -> None:
+        self.steps.inc()
+        self.kv_held.inc(positions_held)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

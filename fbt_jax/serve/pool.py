@@ -237,6 +237,7 @@ class Pool:
                     self.active[slot] = None
             self.slots = engine.empty_slots(self.model, self.num_slots, self.context_len)
             return
+        self.metrics.step(sum(len(r.prompt) + len(r.tokens) for r in self.active if r is not None))
         generated = 0
         for slot, request in enumerate(self.active):
             if request is None:
