@@ -49,7 +49,7 @@ from fbt_jax.serve.pool import Pool  # noqa: E402
 from fbt_jax.serve.text import Codec  # noqa: E402
 
 SHAPE = {"slots": 32, "context": 64, "buckets": (32,), "prompts": (8, 16, 24, 32)}
-SMOKE_SHAPE = {"slots": 4, "context": 16, "buckets": (), "prompts": (4, 8)}  # one prefill bucket, two lengths
+SMOKE_SHAPE = {"slots": 4, "context": 16, "buckets": (), "prompts": (8,)}  # one prefill bucket, one length
 
 
 def requests_for(count: int, vocab: int, lengths: tuple[int, ...]) -> list[list[int]]:

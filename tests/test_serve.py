@@ -35,7 +35,7 @@ TASK_DATA = types.SimpleNamespace(source="task")  # prompts and outputs are toke
 
 @pytest.fixture(scope="module")
 def pool(small_model):
-    pool = Pool(small_model, SLOTS, CONTEXT, buckets=(12,), max_waiting=8, metrics=Metrics(SLOTS))
+    pool = Pool(small_model, SLOTS, CONTEXT, buckets=(12,), max_waiting=40, metrics=Metrics(SLOTS))
     pool.compile()
     return pool
 
@@ -130,6 +130,31 @@ def test_the_openai_client_gets_fbt_decodes_tokens_in_every_mode(client, pool):
         assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (6, 10)
         chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, stream=True))
         assert "".join(c.choices[0].text for c in chunks) == want and chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_32_concurrent_openai_clients_get_fbt_decodes_tokens(base_url, pool):
+    """32 requests at once from the async openai client (three slots: most wait in the queue), of other
+    lengths, modes and token counts, half streamed: each gets decode.generate's greedy text for it alone."""
+    import asyncio
+
+    from openai import AsyncOpenAI
+
+    cases = [(1 + i % 12, ("tiny", "tiny:soft", "tiny:fused")[i % 3], 1 + (i * 5) % 12, i % 2 == 0) for i in range(32)]
+
+    async def ask(client, n, model, m, stream):
+        prompt = prompt_of(n, salt=2)
+        out = await client.completions.create(model=model, prompt=prompt, max_tokens=m, temperature=0, stream=stream)
+        if not stream:
+            return out.choices[0].text
+        return "".join([c.choices[0].text async for c in out])
+
+    async def everyone():
+        client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
+        return await asyncio.gather(*(ask(client, *case) for case in cases))
+
+    modes = {"tiny": "standard", "tiny:soft": "soft", "tiny:fused": "fused"}
+    for (n, model, m, _), text in zip(cases, asyncio.run(everyone())):
+        assert text == " ".join(map(str, reference(pool.model, prompt_of(n, salt=2), modes[model], m))), (n, model, m)
 
 
 def test_choices_seeds_and_batches_of_prompts(client):

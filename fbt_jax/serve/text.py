@@ -49,7 +49,11 @@ def stop_check(codec: Codec, stops: Sequence[str]) -> Callable[[list[int]], bool
     """A check the device thread runs after each token: the text so far holds a stop string."""
     if not stops:
         return None
-    return lambda ids: any(stop in codec.render(ids) for stop in stops)
+    # A stop string that the newest token completes ends within its last len(stop) characters, which
+    # the last few tokens hold (a token is at least one character, or part of one): render only those,
+    # not the whole text at every step.
+    window = 4 * max(len(s) for s in stops) + 8
+    return lambda ids: any(stop in codec.render(ids[-window:]) for stop in stops)
 
 
 def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
