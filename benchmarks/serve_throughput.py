@@ -121,11 +121,11 @@ def shared_step_cost(pool: Pool, repeats: int) -> dict[str, float]:
                                *(np.zeros((S,), np.int32) for _ in range(3)))  # fmt: skip
     slots = engine.empty_slots(model, S, pool.context_len)
     jax.block_until_ready(plain(model, state, tokens, "standard"))
-    slots, _ = engine.step(pool.graphdef, pool.params, slots, sampling)
+    slots, _ = engine.steps(pool.graphdef, 1, pool.params, slots, sampling)
     times = {"shared": [], "standard_only": []}
     for _ in range(repeats):  # interleaved
         start = time.perf_counter()
-        slots, chosen = engine.step(pool.graphdef, pool.params, slots, sampling)
+        slots, chosen = engine.steps(pool.graphdef, 1, pool.params, slots, sampling)
         jax.block_until_ready(chosen.token_S)
         times["shared"].append(time.perf_counter() - start)
         start = time.perf_counter()

@@ -103,19 +103,25 @@ def device_thread(base_url):
 def test_batched_requests_equal_each_request_decoded_alone(pool, device_thread):
     """Seven requests of other lengths and modes through three slots (so they enter as others leave):
     each one's greedy tokens are decode.generate's for it alone; nothing compiles while serving."""
-    programs = (engine.insert._cache_size(), engine.step._cache_size())
+    programs = (engine.insert._cache_size(), engine.steps._cache_size())
     got = submit_all(pool, CASES, temperature=0.0)
     for (n, mode, m), tokens in zip(CASES, got):
         assert tokens == reference(pool.model, prompt_of(n), mode, m), (n, mode, m)
-    assert (engine.insert._cache_size(), engine.step._cache_size()) == programs
+    assert (engine.insert._cache_size(), engine.steps._cache_size()) == programs
 
 
 def test_a_seeded_sample_does_not_depend_on_its_companions(pool, device_thread):
-    """Sampled at temperature 1 with a seed, a request draws the same tokens alone and among others."""
+    """Sampled at temperature 1 with a seed, a request draws the same tokens alone and among others,
+    and whether the pool runs one decode step per trip from the host or eight."""
     alone = submit_all(pool, CASES[:1], temperature=1.0, seed=7)[0]
     together = submit_all(pool, CASES, temperature=1.0, seed=7)[0]
     assert alone == together and len(alone) == CASES[0][2]
     assert submit_all(pool, CASES[:1], temperature=1.0, seed=8)[0] != alone  # the seed matters
+    pool.decode_steps = 1  # one step per trip from the host draws the same tokens as eight
+    try:
+        assert submit_all(pool, CASES, temperature=1.0, seed=7)[0] == alone
+    finally:
+        pool.decode_steps = 8
 
 
 def test_the_openai_client_gets_fbt_decodes_tokens_in_every_mode(client, pool):
@@ -361,9 +367,9 @@ def test_a_client_that_goes_away_frees_its_slot(served, base_url, monkeypatch):
     slot at the next step (counted as cancelled), long before its max_tokens."""
     pool, real = served.pool, served.pool._step
 
-    def slow_step(sampling):  # 23 steps would take over a second: the request is cut well before
-        time.sleep(0.05)
-        return real(sampling)
+    def slow_step(sampling, num_steps):  # 23 steps would take over a second: the request is cut well before
+        time.sleep(0.05 * num_steps)
+        return real(sampling, num_steps)
 
     monkeypatch.setattr(pool, "_step", slow_step)
     cancelled = lambda: (

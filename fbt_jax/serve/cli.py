@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--max-waiting", type=int, default=256, help="queued requests beyond which the server answers 429"
     )
+    parser.add_argument(
+        "--decode-steps", type=int, default=8, help="decode steps per trip from the host while no request waits"
+    )
     parser.add_argument("--grace", type=float, default=30.0, help="seconds running requests get to finish on SIGTERM")
     with reported("fbt-serve"):
         args = parser.parse_args(argv)
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
 def check_args(args: Any) -> tuple[int, ...]:
     """One-line errors for bad flags, before the checkpoint is read; returns the prefill buckets."""
     for flag, value, least in (("--slots", args.slots, 1), ("--prefill-passes", args.prefill_passes, 1),
-                               ("--max-waiting", args.max_waiting, 0), ("--context-len", args.context_len, 0),
+                               ("--max-waiting", args.max_waiting, 0), ("--decode-steps", args.decode_steps, 1), ("--context-len", args.context_len, 0),
                                ("--port", args.port, 0)):  # fmt: skip
         if value < least:
             raise ConfigError(f"{flag}={value} must be at least {least}")
@@ -91,7 +94,7 @@ def load(args: Any, buckets: tuple[int, ...], log: Any = print) -> Any:
     template = chat_template(codec.tokenizer)
     name = args.name or os.path.basename(os.path.normpath(checkpoint)) or "fbt"
     pool = Pool(model, args.slots, context, buckets=buckets or None, prefill_passes=args.prefill_passes,
-                max_waiting=args.max_waiting, metrics=Metrics(args.slots))  # fmt: skip
+                max_waiting=args.max_waiting, decode_steps=args.decode_steps, metrics=Metrics(args.slots))  # fmt: skip
     started = time.perf_counter()
     programs, _ = pool.compile()
     log(f"fbt-serve: compiled {programs} programs in {time.perf_counter() - started:.1f} s "

@@ -145,11 +145,22 @@ def choose(logits_SV: jax.Array, sampling: Sampling) -> Chosen:
     return Chosen(token_S, logprob_S, top_ids_SK.astype(jnp.int32), top_logp_SK)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def step(graphdef: Any, params: Any, slots: Slots, sampling: Sampling) -> tuple[Slots, Chosen]:
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def steps(graphdef: Any, num_steps: int, params: Any, slots: Slots, sampling: Sampling) -> tuple[Slots, Chosen]:
+    """`num_steps` decode steps in one program (its Chosen arrays gain a leading steps axis): one trip
+    from the host per `num_steps` tokens. Each step's draws are keyed by the slot's token index, so
+    the tokens are those of as many single steps."""
+    model = nnx.merge(graphdef, params)
+
+    def one(slots: Slots, i: jax.Array) -> tuple[Slots, Chosen]:
+        return advance(model, slots, sampling.replace(index_S=sampling.index_S + i))
+
+    return jax.lax.scan(one, slots, jnp.arange(num_steps))
+
+
+def advance(model: Any, slots: Slots, sampling: Sampling) -> tuple[Slots, Chosen]:
     """One decode step over every slot: choose each slot's token, then run the tokens (one new
     position per slot). A free slot computes too (its result is never read)."""
-    model = nnx.merge(graphdef, params)
     chosen = choose(slots.logits_SV, sampling)
     e_S1D = model.embed(chosen.token_S[:, None])
     fused_S1D = model.fusion(e_S1D, slots.h_last_SD[:, None])

@@ -88,6 +88,7 @@ class Pool:
         buckets: Sequence[int] | None = None,
         prefill_passes: int = 2,
         max_waiting: int = 256,
+        decode_steps: int = 8,
         metrics: Metrics | None = None,
     ):
         self.graphdef, self.params = nnx.split(model)
@@ -96,6 +97,9 @@ class Pool:
         if self.buckets[-1] < context_len:
             self.buckets = (*self.buckets, context_len)
         self.prefill_passes, self.max_waiting = prefill_passes, max_waiting
+        # Steps per trip from the host while nobody waits for a slot (a waiting request could take
+        # a slot freed by any step: then one step per trip).
+        self.decode_steps = decode_steps
         self.metrics = metrics or Metrics()
         self.slots = engine.empty_slots(model, num_slots, context_len)
         self.active: list[Request | None] = [None] * num_slots
@@ -136,16 +140,19 @@ class Pool:
     # --- the device thread --------------------------------------------------------------------------
     def compile(self) -> tuple[int, float]:
         """Compile (and run once) every program the pool uses: each prefill bucket in plain and fused
-        form, with and without prompt scores, and the decode step. Returns (programs, seconds)."""
+        form, with and without prompt scores, and the decode steps (one, and `decode_steps` in one
+        program). Returns (programs, seconds)."""
         start, count = time.perf_counter(), 0
         for bucket in self.buckets:
             for fused in (False, True):
                 for score in (False, True):
                     self._insert(np.zeros((bucket,), np.int32), bucket, 0, fused, False, score)
                     count += 1
-        self._step(self._sampling())
+        for num_steps in sorted({1, self.decode_steps}):
+            self._step(self._sampling(), num_steps)
+            count += 1
         self.slots = engine.empty_slots(self.model, self.num_slots, self.context_len)
-        self.compiled_programs = count + 1
+        self.compiled_programs = count
         return self.compiled_programs, time.perf_counter() - start
 
     def run(self) -> None:
@@ -223,13 +230,18 @@ class Pool:
             column(lambda r: len(r.tokens), np.int32),
         )
 
-    def _step(self, sampling: engine.Sampling) -> engine.Chosen:
-        self.slots, chosen = engine.step(self.graphdef, self.params, self.slots, sampling)
+    def _step(self, sampling: engine.Sampling, num_steps: int) -> engine.Chosen:
+        self.slots, chosen = engine.steps(self.graphdef, num_steps, self.params, self.slots, sampling)
         return jax.device_get(chosen)
 
     def _decode(self) -> None:
+        # Several steps per trip, unless a request waits and a slot may free up sooner (its request
+        # reaches max_tokens or the context's end within them): then one, so that it enters at once.
+        room = min(min(r.max_tokens - len(r.tokens), self.context_len - len(r.prompt) - len(r.tokens))
+                   for r in self.active if r is not None)  # fmt: skip
+        num_steps = 1 if self.waiting and room < self.decode_steps else self.decode_steps
         try:
-            chosen = self._step(self._sampling())
+            chosen = self._step(self._sampling(), num_steps)
         except Exception as err:  # the step itself failed: its requests fail, the pool starts afresh
             for slot, request in enumerate(self.active):
                 if request is not None:
@@ -237,6 +249,13 @@ class Pool:
                     self.active[slot] = None
             self.slots = engine.empty_slots(self.model, self.num_slots, self.context_len)
             return
+        for k in range(num_steps):
+            self._take(engine.Chosen(*(x[k] for x in (chosen.token_S, chosen.logprob_S, chosen.top_ids_SK,
+                                                      chosen.top_logprobs_SK))))  # fmt: skip
+
+    def _take(self, chosen: engine.Chosen) -> None:
+        """One step's tokens to their requests; a request that ends leaves its slot (the slot's later
+        steps in the same trip are never read)."""
         self.metrics.step(sum(len(r.prompt) + len(r.tokens) for r in self.active if r is not None))
         generated = 0
         for slot, request in enumerate(self.active):
