@@ -235,11 +235,13 @@ class Pool:
         return jax.device_get(chosen)
 
     def _decode(self) -> None:
-        # Several steps per trip, unless a request waits and a slot may free up sooner (its request
-        # reaches max_tokens or the context's end within them): then one, so that it enters at once.
-        room = min(min(r.max_tokens - len(r.tokens), self.context_len - len(r.prompt) - len(r.tokens))
-                   for r in self.active if r is not None)  # fmt: skip
-        num_steps = 1 if self.waiting and room < self.decode_steps else self.decode_steps
+        # Several steps per trip, but one while a request has no token yet (its first token is sent
+        # at once) or while a request waits and a slot may free up sooner (a request reaches
+        # max_tokens or the context's end within the trip), so that it enters at once.
+        busy = [r for r in self.active if r is not None]
+        room = min(min(r.max_tokens - len(r.tokens), self.context_len - len(r.prompt) - len(r.tokens)) for r in busy)
+        first = any(not r.tokens for r in busy)
+        num_steps = 1 if first or (self.waiting and room < self.decode_steps) else self.decode_steps
         try:
             chosen = self._step(self._sampling(), num_steps)
         except Exception as err:  # the step itself failed: its requests fail, the pool starts afresh
