@@ -34,6 +34,8 @@ def schedule_constants(config: ml_collections.ConfigDict) -> dict[str, np.ndarra
         raise ValueError(f"the cosine decay needs train.steps > optimizer.warmup_steps, got {total} and {warmup}")
     return {
         "warmup_steps": np.int32(warmup),
+        # Likewise optax's warm-up `count / transition_steps` becomes `count * (1 / transition_steps)`.
+        "inverse_warmup": np.float32(1) / np.float32(max(warmup, 1)),
         "decay_steps": np.float32(float(total - warmup)),
         # XLA's simplifier turns optax's `pi * count / decay_steps`, its divisor a constant there,
         # into `count * (pi * (1 / decay_steps))`, each step rounded to float32: so is this.
@@ -50,7 +52,7 @@ def learning_rate(step: jax.Array, constants: dict[str, jax.Array]) -> jax.Array
     c = constants
     # Warm-up: optax's linear (polynomial, power 1) schedule from 0 to the peak.
     count = jnp.clip(step, 0, c["warmup_steps"])
-    frac = 1 - count / c["warmup_steps"]  # 0/0 when there is no warm-up: never selected below
+    frac = 1 - count * c["inverse_warmup"]  # without a warm-up: never selected below
     warm = (0.0 - c["peak"]) * (frac**1) + c["peak"]
     # Then optax's cosine decay, counted from the end of the warm-up.
     count = jnp.minimum(step - c["warmup_steps"], c["decay_steps"])
