@@ -220,7 +220,7 @@ def docs_text(out: dict, smoke: bool) -> str:
     )
     generation_rows = [
         [f"{name} (D={m['embed_dim']}, L={m['num_layers']})", r["batch"]]
-        + [rate(r[f"{mode}_tokens_per_second"]) for mode in decode.MODES]
+        + [docs_block.rate(r[f"{mode}_tokens_per_second"]) for mode in decode.MODES]
         + [f"{r['soft_over_standard_per_token']:.3f}", f"{r['fused_over_standard_prefill']:.2f}"]
         for name, m in out["generation"]["results"].items()
         for key, r in m.items()
@@ -240,11 +240,6 @@ def docs_text(out: dict, smoke: bool) -> str:
     tables.append(docs_block.table(generation_header, generation_rows))
     machine = docs_block.machine_line(jax.devices()[:1], smoke=smoke)
     return docs_block.block("decode_cost", docs_block.run_arguments(sys.argv[1:]), machine, tables, notes)
-
-
-def rate(tokens_per_second: float) -> str:
-    """Tokens/s with about three significant digits."""
-    return f"{tokens_per_second:.3g}" if tokens_per_second < 1000 else f"{tokens_per_second:.0f}"
 
 
 if __name__ == "__main__":

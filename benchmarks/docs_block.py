@@ -162,3 +162,8 @@ def ms(seconds: float) -> str:
     """A time in milliseconds with about three significant digits."""
     value = seconds * 1e3
     return f"{value:.3g} ms" if value < 100 else f"{value:.0f} ms"
+
+
+def rate(per_second: float) -> str:
+    """A rate (tokens/s) with about three significant digits."""
+    return f"{per_second:.3g}" if per_second < 1000 else f"{per_second:.0f}"

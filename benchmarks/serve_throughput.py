@@ -229,12 +229,12 @@ def docs_text(out: dict, smoke: bool) -> str:
         for mode in decode.MODES:
             base = r[mode]["one_by_one"]
             rows.append([f"{name} (D={r['embed_dim']}, L={r['num_layers']})", mode, "one by one",
-                         rate(base["tokens_per_second"]), f"{base['requests_per_second']:.2f}",
+                         docs_block.rate(base["tokens_per_second"]), f"{base['requests_per_second']:.2f}",
                          docs_block.ms(base["ttft_p50_seconds"]), docs_block.ms(base["ttft_p99_seconds"]), "1",
                          "–"])  # fmt: skip
             for row in r[mode]["served"]:
                 rows.append([f"{name} (D={r['embed_dim']}, L={r['num_layers']})", mode, row["clients"],
-                             rate(row["tokens_per_second"]), f"{row['requests_per_second']:.2f}",
+                             docs_block.rate(row["tokens_per_second"]), f"{row['requests_per_second']:.2f}",
                              docs_block.ms(row["ttft_p50_seconds"]), docs_block.ms(row["ttft_p99_seconds"]),
                              f"{row['tokens_per_second'] / base['tokens_per_second']:.2f}",
                              f"{row['kv_occupancy']:.0%}"])  # fmt: skip
@@ -253,10 +253,6 @@ def docs_text(out: dict, smoke: bool) -> str:
     tables = [intro, docs_block.table(header, rows), docs_block.table(cost_header, cost_rows)]
     machine = docs_block.machine_line(jax.devices()[:1], smoke=smoke)
     return docs_block.block("serve_throughput", docs_block.run_arguments(sys.argv[1:]), machine, tables, notes)
-
-
-def rate(tokens_per_second: float) -> str:
-    return f"{tokens_per_second:.3g}" if tokens_per_second < 1000 else f"{tokens_per_second:.0f}"
 
 
 if __name__ == "__main__":

@@ -217,14 +217,12 @@ class Pool:
         self.active[slot] = request
 
     def _sampling(self) -> engine.Sampling:
-        def column(get: Callable[[Request], Any], dtype: Any) -> np.ndarray:
-            return np.array([get(r) if r is not None else 0 for r in self.active], dtype)
+        def column(get: Callable[[Request], Any], dtype: Any, free: Any = 0) -> np.ndarray:
+            return np.array([get(r) if r is not None else free for r in self.active], dtype)
 
         return engine.Sampling(
             column(lambda r: r.temperature, np.float32),
-            np.where(column(lambda r: r.top_p, np.float32) > 0, column(lambda r: r.top_p, np.float32), 1.0).astype(
-                np.float32
-            ),
+            column(lambda r: r.top_p, np.float32, free=1.0),
             column(lambda r: r.seed, np.int32),
             column(lambda r: r.choice, np.int32),
             column(lambda r: len(r.tokens), np.int32),
@@ -235,13 +233,7 @@ class Pool:
         return jax.device_get(chosen)
 
     def _decode(self) -> None:
-        # Several steps per trip, but one while a request has no token yet (its first token is sent
-        # at once) or while a request waits and a slot may free up sooner (a request reaches
-        # max_tokens or the context's end within the trip), so that it enters at once.
-        busy = [r for r in self.active if r is not None]
-        room = min(min(r.max_tokens - len(r.tokens), self.context_len - len(r.prompt) - len(r.tokens)) for r in busy)
-        first = any(not r.tokens for r in busy)
-        num_steps = 1 if first or (self.waiting and room < self.decode_steps) else self.decode_steps
+        num_steps = self.decode_steps if self.decode_steps > 1 and not self._first_or_freeing() else 1
         try:
             chosen = self._step(self._sampling(), num_steps)
         except Exception as err:  # the step itself failed: its requests fail, the pool starts afresh
@@ -254,6 +246,18 @@ class Pool:
         for k in range(num_steps):
             self._take(engine.Chosen(*(x[k] for x in (chosen.token_S, chosen.logprob_S, chosen.top_ids_SK,
                                                       chosen.top_logprobs_SK))))  # fmt: skip
+
+    def _first_or_freeing(self) -> bool:
+        """One step this trip: a request has no token yet (its first goes out at once), or a request
+        waits and a slot may free up within the trip (a request reaches max_tokens or the context's
+        end), so that it enters at once."""
+        busy = [r for r in self.active if r is not None]
+        if any(not r.tokens for r in busy):
+            return True
+        if not self.waiting:
+            return False
+        room = min(min(r.max_tokens - len(r.tokens), self.context_len - len(r.prompt) - len(r.tokens)) for r in busy)
+        return room < self.decode_steps
 
     def _take(self, chosen: engine.Chosen) -> None:
         """One step's tokens to their requests; a request that ends leaves its slot (the slot's later
