@@ -11,6 +11,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from fbt_jax.evals import generation
+
 REPLACEMENT = "\ufffd"  # what an incomplete UTF-8 sequence decodes to: held back until it completes
 
 
@@ -57,9 +59,9 @@ def stop_check(codec: Codec, stops: Sequence[str]) -> Callable[[list[int]], bool
 
 
 def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
-    """The text before the first stop string, and whether one was found."""
-    ends = [text.find(stop) for stop in stops if stop in text]
-    return (text[: min(ends)], True) if ends else (text, False)
+    """The text before the first stop string (generation's cut), and whether one was found."""
+    before = generation.cut_at_stop(text, stops)
+    return before, len(before) < len(text)  # stop strings are never empty
 
 
 def sendable(text: str, stops: Sequence[str], finished: bool) -> str:
