@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import platform
 import re
@@ -38,6 +39,60 @@ import scales  # noqa: E402
 
 from fbt_jax.sweep.report import gather  # noqa: E402
 from fbt_jax.sweep.state import SweepDirectory  # noqa: E402
+
+# --- which code a result comes from (issue #47) --------------------------------------------------
+# A result is tied to the code that trained and evaluated its models: the last commit that changed
+# CODE_PATHS. Commits that touch only docs, tests, benchmarks or these scripts keep that version, so
+# a figure stays reproducible at the current commit until the library itself changes.
+CODE_PATHS = ("fbt_jax", "configs", "pyproject.toml")
+STAMP = "code.json"  # in a sweep directory: the code versions that trained there, in order
+UNKNOWN = "unknown"  # trained before stamps were kept, or outside a git checkout
+
+
+def code_version() -> str:
+    """The short commit of the last change to CODE_PATHS, with '+edits' where the work tree has
+    changed them since (a result from uncommitted code is tied to no commit); UNKNOWN outside git."""
+
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", "-C", REPO, *argv], check=True, capture_output=True, text=True).stdout.strip()
+
+    try:
+        last = git("log", "-1", "--format=%H", "--", *CODE_PATHS)[:7]
+        edited = git("status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS)
+    except (OSError, subprocess.CalledProcessError):
+        return UNKNOWN
+    return (last or UNKNOWN) + ("+edits" if edited else "")
+
+
+def trained_at(directory: str) -> list[str]:
+    """The code versions that trained in the sweep `directory` ([] where none was stamped)."""
+    path = os.path.join(directory, STAMP)
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)["trained_at"]
+
+
+def stamp_training(directory: str, version: str, begun: bool | None = None) -> None:
+    """Add `version` to the code versions that trained in `directory`; where training had `begun`
+    there before stamps were kept (default: a sweep.json is there), UNKNOWN first (its finished jobs
+    were trained by code no one recorded)."""
+    versions = trained_at(directory)
+    begun = os.path.exists(os.path.join(directory, "sweep.json")) if begun is None else begun
+    if not versions and begun:
+        versions = [UNKNOWN]
+    if version not in versions:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, STAMP), "w", encoding="utf-8") as f:
+            json.dump({"trained_at": versions + [version]}, f)
+
+
+def rows_code(rows: Sequence[dict[str, Any]]) -> str:
+    """The code a rung of `rows` comes from: the one version that trained all its runs when it is
+    also the version evaluating them now, else what differs ('trained at a, b; evaluated at c')."""
+    trained = sorted({v for row in rows for v in (row.get("trained_at") or [UNKNOWN])})
+    now = code_version()
+    return now if trained == [now] else f"trained at {', '.join(trained)}; evaluated at {now}"
 
 
 def arguments(doc: str, name: str, extra: Sequence[tuple[str, dict]] = ()) -> argparse.Namespace:
@@ -89,6 +144,8 @@ def run_sweep(
     """Train (or finish) the sweep of `spec` in `directory`; one record per run, as `fbt-sweep
     report` gathers them (labels, final eval metrics, curve), plus the run's `workdir` and `config`.
     `min_shared_steps`: fbt-sweep's shortest trunk worth a job (None: its default)."""
+    if not sweep_complete(directory):  # this invocation trains (some of) it: its code is stamped
+        stamp_training(directory, code_version())
     command = ["fbt-sweep", "run", spec, f"--dir={directory}", f"--parallel={parallel}"]
     command += [f"--override={o}" for o in overrides]
     command += [] if min_shared_steps is None else [f"--min-shared-steps={min_shared_steps}"]
@@ -100,8 +157,10 @@ def run_sweep(
     rows = gather(sweep_dir, sweep, jobs)
     if len(rows) != len(sweep.runs):
         raise RuntimeError(f"{len(sweep.runs) - len(rows)} runs of {directory} did not finish; see `fbt-sweep status`")
+    versions = trained_at(directory)
     for row in rows:
         row["workdir"], row["config"] = by_name[row["run"]].workdir, configs[row["run"]]
+        row["trained_at"] = versions
     return rows
 
 
@@ -184,6 +243,14 @@ def state_tracking_runs(args: argparse.Namespace, factor: float | None = None) -
         steps = round(SMOKE_OVERRIDES["train.steps"] * factor)
         return run_sweep(spec, directory, overrides, scale.parallel, min_shared_steps=steps // SMOKE_MIN_SHARED)
     return run_sweep(spec, directory, overrides, scale.parallel)
+
+
+def state_tracking_ladder(args: argparse.Namespace) -> list[list[dict[str, Any]]]:
+    """The state-tracking runs of every ladder rung complete on disk, lowest budget first (×1
+    trained now where none is): the models the probe and depth claims are judged on, rung by rung."""
+    ladder = SMOKE_LADDER if args.smoke else LADDER
+    done = [f for f in ladder if sweep_complete(state_tracking_dir(args, f))]
+    return [state_tracking_runs(args, f) for f in done or [1.0]]
 
 
 def sweep_complete(directory: str) -> bool:

@@ -4,7 +4,8 @@ contract to a fixed point?
 Two sets of models, three seeds each, {1, 2} (`k12`), the paper's 75/22/3 (`paper`) and the
 heavier 50/25/25 (`heavy`):
 
-- the S3 models of `experiments/state_tracking.py` (16 tokens), run for k = 1 … 32 passes;
+- the S3 models of `experiments/state_tracking.py` (16 tokens), every rung of its budget ladder on
+  disk, run for k = 1 … 32 passes;
 - narrow byte-level language models trained at 1024 tokens on the standard library's sources
   (`configs/sweeps/depth_1024.py`), run for k = 1 … 1000 passes (the states become the exact
   recurrence at pass T = 1024).
@@ -17,16 +18,22 @@ The claim's effect, per sequence length and seed: how much more the {1, 2} model
 beyond its trained passes than the 75/22/3 model's (each as its loss at the deepest k over its loss
 at its trained K, minus 1). The verdict follows `budget.judge`: where the two arms' losses settled
 (the 16-token models: the state-tracking experiment's rule; the 1024-token models: K=1 and K=2
-held-out loss within 2% over the last 20% of training), reproduced where the effect is positive,
-beyond two standard errors and beyond 5%. Each run's own reading (stable: contracting, and within
+held-out loss within 2% over the last 20% of training), or (T=16) where the effect is stable over
+the state-tracking ladder, reproduced where the effect is positive, beyond two standard errors and
+beyond 5%. Each run's own reading (stable: contracting, and within
 5% of its loss at the trained K) is shown beside it, per mixture.
 
     python experiments/depth_stability.py --write-docs docs/results.md
+    python experiments/depth_stability.py --carry-long --write-docs docs/results.md  # T=16 alone, minutes
+
+`--carry-long` keeps the 1024-token part (about 4 h of 2 cores to train and measure) as the block
+an earlier invocation wrote it, and measures the 16-token ladder alone.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import budget
@@ -83,9 +90,12 @@ def effect(rows: list[dict[str, Any]]) -> budget.Rung:
     return budget.Rung(rows[0]["config"].train.steps, values)
 
 
-def verdict(rows: list[dict[str, Any]], settled: budget.Check, seq_len: int) -> tuple[list[str], budget.Judgement]:
-    """The verdict paragraphs for one sequence length (`settled`: the two compared arms' check)."""
-    judged = budget.judge(f"{EFFECT} (T={seq_len})", [effect(rows)], settled, minimum=TOLERANCE)
+def verdict(
+    rows: list[dict[str, Any]], settled: budget.Check, seq_len: int, ladder: list[budget.Rung] | None = None
+) -> tuple[list[str], budget.Judgement]:
+    """The verdict paragraphs for one sequence length (`settled`: the two compared arms' check at
+    the top rung `rows`; `ladder`: the effect at every rung, where the models come from a ladder)."""
+    judged = budget.judge(f"{EFFECT} (T={seq_len})", ladder or [effect(rows)], settled, minimum=TOLERANCE)
     counts = ", ".join(
         f"{schedule} {sum(stable(r) for r in seeds)} of {len(seeds)}"
         for schedule, seeds in common.by_label(rows, "schedule").items()
@@ -140,20 +150,62 @@ def plot(parts: list[tuple[str, list[dict[str, Any]]]], path: str) -> None:
     common.save_figure(fig, path)
 
 
-def main() -> None:
-    args = common.arguments(__doc__, NAME)
-    timer = common.Timer()
+CARRY = (
+    "--carry-long",
+    dict(action="store_true", help="keep the 1024-token part (its check, verdict, table and summary figures) from "
+         "the block an earlier invocation wrote, instead of training and measuring it again (~4 h of 2 cores)"),
+)  # fmt: skip
+
+
+def earlier_long(args: Any, long_len: int) -> dict[str, Any]:
+    """The T=`long_len` part of the block an earlier invocation wrote, and of its summary row: what
+    --carry-long keeps. Fails before anything is measured where there is none."""
+    begin, end = common.docs_block.markers(NAME, "experiments")
+    text = open(args.write_docs, encoding="utf-8").read() if args.write_docs else ""
+    row = summary.load_rows(args.write_docs).get(NAME) if args.write_docs else None
+    mark = f"T={long_len}"
+    block = text.split(begin, 1)[1].split(end, 1)[0] if begin in text and end in text else ""
+    paragraphs = [p.strip() for p in block.split("\n\n")]
+    starts = [next((i for i, p in enumerate(paragraphs) if p.startswith(head)), None) for head in
+              (f"budget check: failed ({mark})", f"budget check: held ({mark})", f"verdict ({mark}:",
+               f"**Standard-library bytes at {mark}**")]  # fmt: skip
+    check, verdict_at, table_at = starts[0] if starts[0] is not None else starts[1], starts[2], starts[3]
+    if row is None or None in (check, verdict_at, table_at) or f"; {mark}, " not in row.figures:
+        raise SystemExit(f"--carry-long: {args.write_docs or 'no --write-docs file'} has no {mark} part of the "
+                         f"{NAME} block to carry; run without --carry-long")  # fmt: skip
+    minutes = re.search(r"took (\d+) min of job time", block)
+    steps = next(iter(row.effects), None)
+    return dict(
+        check=paragraphs[check], verdicts=paragraphs[verdict_at : verdict_at + 2],
+        table=paragraphs[table_at : table_at + 2], minutes=int(minutes.group(1)) if minutes else None,
+        figures=f"{mark}, " + row.figures.split(f"; {mark}, ", 1)[1], held="held" in paragraphs[check][:24],
+        verdict=row.verdict.split(f"; {mark}: ", 1)[1], criterion=row.criterion.split(f"; {mark}: ", 1)[1],
+        effects=row.effects, commits={steps: row.commits.get(steps, "before commits were recorded")} if steps else {},
+    )  # fmt: skip
+
+
+def short_ladder_table(ladder: list[list[dict[str, Any]]], codes: dict[str, str]) -> str:
+    """T=16 at every rung of the state-tracking ladder on disk: each arm's loss growth, the effect."""
+    header = ["steps", "k12 growth", "paper growth", "{1, 2} − 75/22/3", "stable models", "code"]
+    lines = []
+    for rows in ladder:
+        arms, rung = common.by_label(rows, "schedule"), effect(rows)
+        counts = ", ".join(
+            f"{schedule} {sum(stable(r) for r in seeds)} of {len(seeds)}" for schedule, seeds in arms.items()
+        )
+        growths = [common.mean_std([growth(r) for r in arms[s]]) for s in ("k12", "paper")]
+        lines.append([str(rung.steps), *growths, common.mean_std(rung.values), counts, codes[str(rung.steps)]])
+    return common.docs_block.table(header, lines)
+
+
+def measure_long(args: Any, long_len: int, long_depth: int) -> dict[str, Any]:
+    """Train (or finish) the 1024-token models and measure them: the long part of the block."""
     long_spec = LONG_SPEC
-    short_len, long_len = 16, (64 if args.smoke else 1024)
-    long_depth = 60 if args.smoke else 1000
     if args.smoke:  # two mixtures on the modules a–c: a quick check that it runs
         long_spec = common.smoke_spec(LONG_SPEC, args.sweeps_dir, ("k12", "paper"), data__seq_len=long_len)
     prepared = common.prepare_stdlib(
         os.path.join(args.dir, f"prepared-{long_len}"), long_len, "[a-c]*.py" if args.smoke else "*.py"
     )
-    # The 16-token models are the state-tracking experiment's (trained there, or here if not yet).
-    short = [r for r in common.state_tracking_runs(args) if r["label.run"] == "S3"]
-    short = [r for r in short if r["label.schedule"] in SCHEDULES]
     # Smoke: the two mixtures draw the same passes over all their few steps, so fbt-sweep would
     # train the whole run as a shared trunk and give each mixture a job that only evaluates; one
     # job each instead (no trunk at all: a minimum beyond the run).
@@ -162,55 +214,92 @@ def main() -> None:
         long_spec, os.path.join(args.dir, "depth_1024"), overrides=[f"data.path={prepared}"], **unshared
     )
     sizes = common.load_spec(long_spec)["overrides"]
-    train_minutes = common.sweep_minutes(os.path.join(args.dir, "depth_1024"))
-    checks = {
-        short_len: state_tracking.budget_check(short, f"T={short_len}, the state-tracking models"),
-        long_len: budget.check(long, LONG_RULES, f"T={long_len}"),
-    }
-    compared = {t: [r for r in rows if r["label.schedule"] in ("k12", "paper")] for t, rows in ((short_len, short),
-                                                                                                (long_len, long))}  # fmt: skip
-    settled = {
-        short_len: state_tracking.budget_check(compared[short_len], f"T={short_len}, k12 and paper"),
-        long_len: budget.check(compared[long_len], LONG_RULES, f"T={long_len}, k12 and paper"),
-    }
-    sweep_depths(short, 2 * short_len, 64)
+    check = budget.check(long, LONG_RULES, f"T={long_len}")
+    compared = [r for r in long if r["label.schedule"] in ("k12", "paper")]
     sweep_depths(long, long_depth, 2)  # 1000 passes over 1024 positions: two sequences keep it to minutes
-    verdicts = {
-        short_len: verdict(short, settled[short_len], short_len),
-        long_len: verdict(long, settled[long_len], long_len),
-    }
+    lines, judged = verdict(long, budget.check(compared, LONG_RULES, f"T={long_len}, k12 and paper"), long_len)
+    depths = [1, 2, 3, 4, 8, 32, 128, long_depth] if not args.smoke else [1, 2, 3, 4, 8, long_depth]
+    rung = effect(long)
+    return dict(
+        rows=long, check=check.line, held=check.held, verdicts=lines, verdict=judged.verdict,
+        criterion=judged.criterion or "neither", figures=loss_figures(long, long_len),
+        minutes=round(common.sweep_minutes(os.path.join(args.dir, "depth_1024"))),
+        table=[f"**Standard-library bytes at T={long_len}** (width {sizes['model.embed_dim']}, 2 layers, "
+               f"{sizes['train.steps']} steps of {sizes['train.batch_size']} sequences), k = 1 … {long_depth}:",
+               table(long, depths)],
+        effects={str(rung.steps): list(rung.values)}, commits={str(rung.steps): common.rows_code(long)},
+    )  # fmt: skip
+
+
+def main() -> None:
+    args = common.arguments(__doc__, NAME, extra=[CARRY])
+    timer = common.Timer()
+    short_len, long_len = 16, (64 if args.smoke else 1024)
+    long_depth = 60 if args.smoke else 1000
+    carried = earlier_long(args, long_len) if args.carry_long else None  # before anything is measured
+    # The 16-token models are the state-tracking experiment's (trained there, or here if not yet),
+    # every rung of its ladder on disk: the T=16 claim is judged over that ladder.
+    ladder = [
+        [r for r in rows if r["label.run"] == "S3" and r["label.schedule"] in SCHEDULES]
+        for rows in common.state_tracking_ladder(args)
+    ]
+    short = ladder[-1]
+    for rows in ladder:
+        sweep_depths(rows, 2 * short_len, 64)
+    short_check = state_tracking.budget_check(short, f"T={short_len}, the state-tracking models")
+    compared = [r for r in short if r["label.schedule"] in ("k12", "paper")]
+    settled = state_tracking.budget_check(compared, f"T={short_len}, k12 and paper")
+    short_lines, short_judged = verdict(short, settled, short_len, [effect(rows) for rows in ladder])
+    codes = {str(effect(rows).steps): common.rows_code(rows) for rows in ladder}
+    long = carried or measure_long(args, long_len, long_depth)
     figure = common.plot_path(args, NAME)
-    plot([(f"S3, trained at T={short_len}", short), (f"stdlib bytes, trained at T={long_len}", long)], figure)
-    long_depths = [1, 2, 3, 4, 8, 32, 128, long_depth] if not args.smoke else [1, 2, 3, 4, 8, long_depth]
-    seeds = len(common.by_label(long, "schedule")["paper"])
+    parts = [(f"S3, trained at T={short_len}", short)]
+    parts += [] if carried else [(f"stdlib bytes, trained at T={long_len}", long["rows"])]
+    plot(parts, figure)
+    seeds = len(common.by_label(short, "schedule")["paper"])
+    source = (
+        f"the T={long_len} part (its check, verdict and table) is carried from the block an earlier invocation "
+        f"wrote (`--carry-long`; its models took {long['minutes']} min of job time to train), and the plot shows "
+        f"T={short_len} alone"
+        if carried
+        else f"training the {long_len}-token models took {long['minutes']} min of job time (two jobs at a time)"
+    )
+    steps = short[0]["config"].train.steps
     body = [
-        f"Written by `python experiments/{NAME}.py{' --smoke' if args.smoke else ''}` on {common.machine()} in "
-        f"{timer.minutes():.1f} min of wall time; training the {long_len}-token models took {train_minutes:.0f} min of "
-        f"job time (two jobs at a time), and the 16-token models are shared with `experiments/state_tracking.py`. "
+        f"Written by `python experiments/{NAME}.py{' --smoke' if args.smoke else ''}"
+        f"{' --carry-long' if carried else ''}` on {common.machine()} in {timer.minutes():.1f} min of wall time; "
+        f"{source}; the 16-token models are `experiments/state_tracking.py`'s, every rung of its ladder on disk. "
         f"Mean ± std over {seeds} seeds; loss on 64 (T={short_len}) and 2 (T={long_len}) held-out sequences; the "
         "change is measured over the positions pass k can still change.",
         "",
-        *[check.line + "\n" for check in checks.values()],
-        *[line + "\n" for lines, _ in verdicts.values() for line in lines],
-        f"**S3 at T={short_len}** (width 64, 2 layers), k = 1 … {2 * short_len}:\n",
+        f"{short_check.line}\n",
+        f"{long['check']}\n",
+        *[line + "\n" for line in (*short_lines, *long["verdicts"])],
+        f"**S3 at T={short_len}, the state-tracking ladder** (loss growth: the loss at k={2 * short_len} over the "
+        "loss at the trained K, minus 1; `code`: the commit the models were trained and measured at):\n",
+        short_ladder_table(ladder, codes),
+        "",
+        f"**S3 at T={short_len}, {steps} steps** (width 64, 2 layers), k = 1 … {2 * short_len}:\n",
         table(short, [1, 2, 3, 4, 8, short_len, 2 * short_len]),
         "",
-        f"**Standard-library bytes at T={long_len}** (width {sizes['model.embed_dim']}, 2 layers, "
-        f"{sizes['train.steps']} steps of {sizes['train.batch_size']} sequences), k = 1 … {long_depth}:\n",
-        table(long, long_depths),
+        f"{long['table'][0]}\n",
+        long["table"][1],
         "",
         common.figure_line(args, figure, "loss and per-pass change against feedback depth"),
     ]
     common.finish(args, NAME, "\n".join(body))
+    ladder_figures = ", ".join(f"{rows[0]['config'].train.steps} steps {effect(rows).mean:+.3f}" for rows in ladder)
     row = summary.Row(
-        f"{loss_figures(short, short_len)}; {loss_figures(long, long_len)}",
-        f"k12 and paper settled (T={short_len}: the state-tracking rule, §1; T={long_len}: K=1 and K=2 loss within "
-        "2%, over the last 20% of steps)",
-        all(c.held for c in checks.values()),
-        "; ".join(f"T={t}: {judged.verdict}" for t, (_, judged) in verdicts.items()),
-        criterion="; ".join(f"T={t}: {judged.criterion or 'neither'}" for t, (_, judged) in verdicts.items()),
+        f"{loss_figures(short, short_len)} at {steps} steps, {{1, 2}} − 75/22/3 growth over the ladder: "
+        f"{ladder_figures}; {long['figures']}",
+        f"k12 and paper settled (T={short_len}: the state-tracking rule, §1, or the effect stable over its ladder; "
+        f"T={long_len}: K=1 and K=2 loss within 2%, over the last 20% of steps)",
+        short_check.held and long["held"],
+        f"T={short_len}: {short_judged.verdict}; T={long_len}: {long['verdict']}",
+        criterion=f"T={short_len}: {short_judged.criterion or 'neither'}; T={long_len}: {long['criterion']}",
         effect=f"{EFFECT} (T={long_len})",
-        effects={str(effect(long).steps): list(effect(long).values)},  # the claim's deep end: T=1024
+        effects=long["effects"],  # the claim's deep end: T=1024
+        commits=long["commits"],
     )
     summary.record(args, NAME, row)
 

@@ -1,7 +1,8 @@
 """Probes: is what position t must produce linearly readable at the first layer, without feedback
 and with it?
 
-For the S3 word problem (the state-tracking experiment's models: the group state s_t) and delayed
+For the S3 word problem (the state-tracking experiment's models, every rung of its budget ladder on
+disk: the group state s_t) and delayed
 recall out of a plain pass's reach (`configs/sweeps/delayed_recall.py`: the token x_(t−8) under a
 4-position attention window), models trained without feedback (`k1`), with the paper's 75/22/3
 mixture (`paper`) and with the heavier 50/25/25 one (`heavy`), three seeds each. At each position
@@ -14,6 +15,11 @@ fused from position 1 and the carried states from
 - K = 2: one feedback pass (the states of a plain pass, shifted by one);
 - the exact recurrence: T passes, each position fed the fully computed state of the one before
   (what latent-feedback decoding feeds).
+
+The S3 claim is judged over the ladder (`budget.judge`): one pass − none, per seed, at every rung
+(and at rungs only summary.json remembers). Beside it, a sharper effect: the paper arm's one-pass
+probe − the K=1-only model's one-pass probe, seed by seed, which separates what feedback training
+made of layer 0 from what reading any carried state gives.
 
     python experiments/layer_probes.py --write-docs docs/results.md
 """
@@ -89,12 +95,38 @@ EFFECT = "layer-0 probe accuracy, one pass − none (75/22/3, t ≥ 8)"
 MINIMUM = 0.1  # a gain below ten points of probe accuracy does not make the answer readable
 
 
-def judge(seeds: list[dict[str, Any]], seq_len: int, settled: budget.Check) -> tuple[str, budget.Judgement | None]:
-    """The claim on one task's feedback-trained models, by its effect (one pass's probe accuracy
-    minus none's, per seed; `budget.judge` with `settled` the check of these models): reproduced at
-    the paper's size where layer 0 is near chance without feedback and ≥ 0.9 with one pass, partly
-    where the gain is real but smaller. Untestable where the models did not learn the task: nothing
-    is there to be read."""
+SHARPER = "layer-0 one-pass probe accuracy, 75/22/3 − K=1 only (t ≥ 8)"
+
+
+def by_seed(seeds: list[dict[str, Any]], name: str, seq_len: int) -> dict[Any, float]:
+    return {r["label.seed"]: late(r["probe"][name], r["probe"]["positions"], seq_len) for r in seeds}
+
+
+def rungs(ladder: list[list[dict[str, Any]]], seq_len: int) -> tuple[list[budget.Rung], list[budget.Rung]]:
+    """Per rung of the S3 ladder, the claim's effect (the paper arm's one pass − none) and the
+    sharper one (the paper arm's one-pass probe − the K=1-only model's, seed by seed): a K=1 model
+    fed one pass of its own states shows how much of the gain the feedback training made."""
+    effects, sharper = [], []
+    for rows in ladder:
+        arms = common.by_label(rows, "schedule")
+        steps = rows[0]["config"].train.steps
+        one_pass, plain = by_seed(arms["paper"], "K2", seq_len), by_seed(arms["paper"], "K1", seq_len)
+        effects.append(budget.Rung(steps, tuple(one_pass[s] - plain[s] for s in sorted(one_pass))))
+        untrained = by_seed(arms["k1"], "K2", seq_len)
+        sharper.append(
+            budget.Rung(steps, tuple(one_pass[s] - untrained[s] for s in sorted(one_pass) if s in untrained))
+        )
+    return effects, sharper
+
+
+def judge(
+    seeds: list[dict[str, Any]], seq_len: int, settled: budget.Check, ladder: list[budget.Rung] | None = None
+) -> tuple[str, budget.Judgement | None]:
+    """The claim on one task's feedback-trained models (`seeds`: the top rung's), by its effect (one
+    pass's probe accuracy minus none's, per seed, over the `ladder` of rungs where there is one;
+    `budget.judge` with `settled` the check of these models): reproduced at the paper's size where
+    layer 0 is near chance without feedback and ≥ 0.9 with one pass, partly where the gain is real
+    but smaller. Untestable where the models did not learn the task: nothing is there to be read."""
     plain, one_pass = late_mean(seeds, "K1", seq_len), late_mean(seeds, "K2", seq_len)
     chance = late_mean(seeds, "chance", seq_len).mean()
     learned = max(np.mean([r[f"final_accuracy_K{k}"] for r in seeds]) for k in (1, 2, 3))
@@ -102,7 +134,7 @@ def judge(seeds: list[dict[str, Any]], seq_len: int, settled: budget.Check) -> t
         untestable = f"held-out accuracy {learned:.3f} at its best K, chance {chance:.3f}"
         return f"untestable: no model learned the task ({untestable})", None
     steps = seeds[0]["config"].train.steps
-    judged = budget.judge(EFFECT, [budget.Rung(steps, tuple(one_pass - plain))], settled, minimum=MINIMUM)
+    judged = budget.judge(EFFECT, ladder or [budget.Rung(steps, tuple(one_pass - plain))], settled, minimum=MINIMUM)
     if judged.verdict == "reproduced" and not (one_pass.mean() >= 0.9 and plain.mean() <= chance + 0.1):
         return "partly (a gain, not the paper's size)", judged
     return judged.verdict, judged
@@ -119,37 +151,72 @@ def per_position_table(rows: list[dict[str, Any]]) -> str:
     return common.docs_block.table(header, lines)
 
 
+LADDER_HEADER = ["steps", "75/22/3 K=1", "75/22/3 one pass", "one pass − none", "K=1 only, one pass",
+                 "75/22/3 − K=1 only, one pass", "code"]  # fmt: skip
+
+
+def ladder_table(ladder: list[list[dict[str, Any]]], seq_len: int, codes: dict[str, str]) -> str:
+    """The S3 probes at every rung on disk (t ≥ seq_len / 2, mean ± std over seeds)."""
+    lines = []
+    for rows, effect, sharper in zip(ladder, *rungs(ladder, seq_len)):
+        arms = common.by_label(rows, "schedule")
+        cells = [late_mean(arms["paper"], "K1", seq_len), late_mean(arms["paper"], "K2", seq_len), effect.values,
+                 late_mean(arms["k1"], "K2", seq_len), sharper.values]  # fmt: skip
+        lines.append([str(effect.steps), *[common.mean_std(c) for c in cells], codes[str(effect.steps)]])
+    return common.docs_block.table(LADDER_HEADER, lines)
+
+
 def verdicts(
-    word: list[dict[str, Any]], recall: list[dict[str, Any]], checks: dict[str, budget.Check], seq_len: int
+    ladder: list[list[dict[str, Any]]],
+    recall: list[dict[str, Any]],
+    checks: dict[str, budget.Check],
+    seq_len: int,
+    recorded: tuple[dict, dict],
 ) -> tuple[list[str], summary.Row]:
-    """Per task, on the paper's mixture (its own checks settle it): the verdict lines and the summary row."""
-    said, figures, judged, effects = {}, [], {}, {}
-    for task, rows in (("S3", word), ("delayed recall", recall)):
+    """Per task, on the paper's mixture (its own checks settle it): the verdict lines and the summary
+    row. S3 is judged over its ladder: the rungs on disk, and those only `recorded` (the effects and
+    codes summary.json kept) where their runs are gone."""
+    word, (kept, kept_codes) = ladder[-1], recorded
+    effects, sharper = rungs(ladder, seq_len)
+    codes = {str(r.steps): common.rows_code(rows) for r, rows in zip(effects, ladder)}
+    carried = [budget.Rung.from_record(int(k), v) for k, v in kept.items() if k not in codes]
+    codes |= {str(r.steps): kept_codes.get(str(r.steps), "before commits were recorded") for r in carried}
+    s3_ladder = sorted(carried + effects, key=lambda r: r.steps)
+    said, figures, judged = {}, [], {}
+    for task, rows, task_ladder in (("S3", word, s3_ladder), ("delayed recall", recall, None)):
         paper = [r for r in rows if r["label.schedule"] == "paper"]
-        compared = CHECKS[task]([r for r in rows if r["label.schedule"] == "paper"], f"{task}, 75/22/3")
-        said[task], judged[task] = judge(paper, seq_len, compared)
-        if judged[task] is not None:
-            gains = late_mean(paper, "K2", seq_len) - late_mean(paper, "K1", seq_len)
-            effects[str(paper[0]["config"].train.steps)] = [float(g) for g in gains]
+        compared = CHECKS[task](paper, f"{task}, 75/22/3")
+        said[task], judged[task] = judge(paper, seq_len, compared, task_ladder)
         figures.append(
             f"{task}, 75/22/3, t ≥ {seq_len // 2}: K=1 {common.mean_std(late_mean(paper, 'K1', seq_len))} → one pass "
             f"{common.mean_std(late_mean(paper, 'K2', seq_len))}, exact recurrence "
             f"{common.mean_std(late_mean(paper, 'exact', seq_len))} (chance {late_mean(paper, 'chance', seq_len).mean():.2f})"
         )
+    figures[0] += f" at {word[0]['config'].train.steps} steps; one pass − none over the ladder: " + ", ".join(
+        f"{r.steps} steps {r.mean:+.3f}" for r in s3_ladder
+    )
+    both = [r for r in word if r["label.schedule"] in ("paper", "k1")]
+    sharp = budget.judge(SHARPER, sharper, CHECKS["S3"](both, "S3, 75/22/3 and K=1 only"), minimum=MINIMUM)
+    figures[0] += f"; {SHARPER} {sharper[-1].mean:+.3f} ± {sharper[-1].se:.3f} (standard error), {sharp.verdict}"
     lines = []
     for task, v in said.items():
         lines.append(f"verdict (one feedback pass makes the {task} answer readable at layer 0): {v}")
         not_applied = f"verdict rule: not applied, there is no effect to judge ({v})"
         lines.append(judged[task].line if judged[task] is not None else not_applied)
+    lines.append(f"verdict (S3: the feedback-trained layer 0 reads better after one pass than a K=1-only model's): "
+                 f"{sharp.verdict}")  # fmt: skip
+    lines.append(sharp.line)
     rule = (
         "the 75/22/3 models settled (S3: the state-tracking rule, §1; delayed recall: K=1 accuracy within 0.01 and "
-        "loss within 0.01 nats, K=2 accuracy within 0.01 and loss within 0.02 nats)"
+        "loss within 0.01 nats, K=2 accuracy within 0.01 and loss within 0.02 nats), over the last 20% of steps, or "
+        "the S3 effect stable over the state-tracking ladder"
     )
     verdict_text = "; ".join(f"{task}: {v}" for task, v in said.items())
     criterion = "; ".join(f"{task}: {j.criterion or 'neither'}" for task, j in judged.items() if j is not None)
     held = all(c.held for c in checks.values())
-    row = summary.Row("; ".join(figures), f"{rule}, over the last 20% of steps", held, verdict_text,
-                      criterion=criterion, effect=f"S3: {EFFECT}", effects=effects)  # fmt: skip
+    recorded_effects = {str(r.steps): r.record() for r in s3_ladder} if judged["S3"] is not None else {}
+    row = summary.Row("; ".join(figures), rule, held, verdict_text, criterion=criterion, effect=f"S3: {EFFECT}",
+                      effects=recorded_effects, commits=codes)  # fmt: skip
     return lines, row
 
 
@@ -175,11 +242,13 @@ def main() -> None:
     args = common.arguments(__doc__, NAME)
     timer = common.Timer()
     recall_spec = common.smoke_spec(RECALL_SPEC, args.sweeps_dir, ("k1", "paper")) if args.smoke else RECALL_SPEC
-    # The word-problem models are the state-tracking experiment's (trained there, or here if not yet).
-    word = [r for r in common.state_tracking_runs(args) if r["label.schedule"] in SCHEDULES]
+    # The word-problem models are the state-tracking experiment's (trained there, or here if not yet),
+    # every rung of its ladder on disk.
+    ladder = [[r for r in rows if r["label.schedule"] in SCHEDULES] for rows in common.state_tracking_ladder(args)]
+    word = ladder[-1]
     recall = common.run_sweep(recall_spec, os.path.join(args.dir, "delayed_recall"))
     num_sequences = 64 if args.smoke else 1024
-    for row in word + recall:
+    for row in [r for rows in ladder for r in rows] + recall:
         row["probe"] = probe(row, num_sequences)
     tasks = [(f"{group} word problem", rows) for group, rows in common.by_label(word, "run").items()]
     tasks.append(("delayed recall", recall))
@@ -189,7 +258,8 @@ def main() -> None:
         "S3": state_tracking.budget_check(word, "S3 models"),
         "delayed recall": recall_check(recall),
     }
-    verdict_lines, row = verdicts(word, recall, checks, 16)
+    recorded = summary.load_effects(args, NAME), summary.load_commits(args, NAME)
+    verdict_lines, row = verdicts(ladder, recall, checks, 16, recorded)
     body = [
         f"Written by `python experiments/{NAME}.py{' --smoke' if args.smoke else ''}` on {common.machine()} in "
         f"{timer.minutes():.1f} min (the word-problem models are shared with `experiments/state_tracking.py`). "
@@ -199,6 +269,9 @@ def main() -> None:
         "",
         *[check.line + "\n" for check in checks.values()],
         *[line + "\n" for line in verdict_lines],
+        f"The S3 ladder (the state-tracking models of every rung on disk; `code`: the commit they were trained and "
+        f"probed at):\n\n{ladder_table(ladder, 16, row.commits)}\n",
+        f"Every model at {word[0]['config'].train.steps} steps:\n",
         table(tasks, 16),
         "",
         *[

@@ -200,6 +200,13 @@ def ladder_cells(rung: dict[str, Any]) -> list[str]:
             common.mean_std(soft - standard), rung["said"]]  # fmt: skip
 
 
+def code_note(codes: dict[str, str]) -> str:
+    """'Every rung was trained and evaluated by the code of commit X.', or each rung's code where they differ."""
+    if len(set(codes.values())) == 1:
+        return f"Every rung was trained and evaluated by the code of commit {next(iter(codes.values()))}."
+    return "The rungs' code: " + "; ".join(f"{steps} steps: {code}" for steps, code in codes.items()) + "."
+
+
 def main() -> None:
     ladder = ("--ladder", dict(default="", help=f"budget multiples to climb until the check holds (default {LADDER})"))
     args = common.arguments(__doc__, NAME, extra=[ladder, scales.OPTION])
@@ -248,6 +255,10 @@ def main() -> None:
     carried = common.carried_note(earlier)
     if earlier:
         carried += " Their verdicts are as written then; the verdict rule's paragraph judges the whole ladder."
+    kept_codes = summary.load_commits(args, NAME, scales.variant(args))
+    codes = {str(r["steps"]): kept_codes.get(str(r["steps"]), "before commits were recorded") for r in earlier}
+    codes |= {str(r["steps"]): common.rows_code(r["rows"]) for r in rungs}
+    carried += " " + code_note(codes)
     scale = scales.of(args)
     flags = "".join(f" {flag}" for flag in (scales.variant(args), "--smoke" if args.smoke else "") if flag)
     overrides = "".join(f" --override={o}" for o in scale.sweep_overrides())
@@ -282,7 +293,8 @@ def main() -> None:
         f"{r['steps']} steps {r['cells'][LADDER_HEADER.index('soft − standard')]}" for r in shown
     )
     figures = f"{row.figures}; soft − standard over the ladder: {ladder_figures}" if len(shown) > 1 else row.figures
-    row = summary.Row(figures, rule, row.held, row.verdict, criterion=row.criterion, effect=EFFECT, effects=effects)
+    row = summary.Row(figures, rule, row.held, row.verdict, criterion=row.criterion, effect=EFFECT, effects=effects,
+                      commits=codes)  # fmt: skip
     summary.record(args, NAME, row, scales.variant(args))
 
 

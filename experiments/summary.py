@@ -47,6 +47,7 @@ class Row:
     criterion: str = ""  # which criterion of budget.judge decided ("" where none did, or not yet judged)
     effect: str = ""  # what the effect is ("soft − standard accuracy (75/22/3)")
     effects: dict = dataclasses.field(default_factory=dict)  # steps → per-seed values ({mean, std, seeds} if gone)
+    commits: dict = dataclasses.field(default_factory=dict)  # steps → the code it was computed at (common.rows_code)
 
 
 def rows_path(docs_path: str) -> str:
@@ -107,18 +108,40 @@ def top_effect(row: Row) -> str:
     return f"{rung.mean:+.3f} ± {rung.se:.3f} (standard error over {rung.seeds} seeds) at {steps} steps"
 
 
+def carried(row: Row, now: str) -> str:
+    """' Carried: the rung at 15000 steps (trained at 1234567; ...)': the rungs of `row`'s effect
+    computed by code other than `now` ('' where none was)."""
+    other = {steps: row.commits.get(steps, "before commits were recorded") for steps in row.effects}
+    other = {steps: code for steps, code in other.items() if code != now}
+    if not other:
+        return ""
+    said = ", ".join(f"{steps} steps ({code})" for steps, code in sorted(other.items(), key=lambda kv: int(kv[0])))
+    return f" Carried from other code: {said}."
+
+
+def load_commits(args: argparse.Namespace, name: str, variant: str = "") -> dict:
+    """The code each recorded rung of `name` was computed at, by steps (`load_effects`'s companion)."""
+    if args.smoke or not args.write_docs:
+        return {}
+    row = load_rows(args.write_docs).get(key(name, variant))
+    return dict(row.commits) if row else {}
+
+
 def sentences(rows: dict[str, Row]) -> list[str]:
     """One sentence per claim (and scaled run): reproduced, not, or open, with its numbers."""
-    out = []
+    out, now = [], common.code_version()
     for row_key in sorted(rows, key=lambda k: (list(CLAIMS).index(split_key(k)[0]), k)):
         row, (name, variant) = rows[row_key], split_key(row_key)
         claim = CLAIMS[name] + (f" (at `{variant}`)" if variant else "")
         smoke = " (smoke run)" if row.smoke else ""
         effect = f"{row.effect} {top_effect(row)}" if row.effect else row.figures
         if row.verdict.startswith(("reproduced", "not reproduced", "the opposite")):
-            out.append(f"- **{row.verdict.capitalize()}**{smoke}: {claim}. {effect}; decided as {row.criterion}.")
+            out.append(
+                f"- **{row.verdict.capitalize()}**{smoke}: {claim}. {effect}; decided as {row.criterion}."
+                f"{carried(row, now)}"
+            )
         else:
-            out.append(f"- **Open**{smoke}: {claim}. {effect}; {row.verdict}.")
+            out.append(f"- **Open**{smoke}: {claim}. {effect}; {row.verdict}.{carried(row, now)}")
     return out
 
 
@@ -133,7 +156,10 @@ def render(docs_path: str) -> str:
         "every rung, more than two standard errors from zero at the top two, which agree within two standard "
         "errors); otherwise *undecided*, with the budget the trend points to. A row without a criterion was "
         "recorded under the older rule (every arm of every quantity settled) and keeps that verdict until its "
-        "experiment runs again. At this scale:",
+        "experiment runs again. Every rung was computed by the code of commit "
+        f"{common.code_version()} (the last commit that changed {', '.join(common.CODE_PATHS)}), and its "
+        "experiment's command computes it again at any commit with that code, except the rungs named as carried "
+        "from other code. At this scale:",
         "",
         *sentences(rows),
         "",
@@ -151,7 +177,10 @@ def record(args: argparse.Namespace, name: str, row: Row, variant: str = "") -> 
         return
     docs_path = args.write_docs
     rows = load_rows(docs_path)
-    rows[key(name, variant)] = dataclasses.replace(row, smoke=args.smoke)
+    kept = rows.get(key(name, variant))  # a rung carried from the row an earlier invocation recorded keeps its code
+    commits = {**(kept.commits if kept else {}), **row.commits}
+    commits = {steps: commits[steps] for steps in row.effects if steps in commits}
+    rows[key(name, variant)] = dataclasses.replace(row, smoke=args.smoke, commits=commits)
     path = rows_path(docs_path)
     claimed = [k for k in rows if split_key(k)[0] in CLAIMS]
     ordered = sorted(claimed, key=lambda k: (list(CLAIMS).index(split_key(k)[0]), k))

@@ -254,7 +254,7 @@ def measure(
     ]
     minutes = common.sweep_minutes(os.path.join(directory, name))
     return dict(steps=sizes.steps, sizes=sizes, groups=groups, checks=checks, answers=answers, cells=cells,
-                minutes=minutes, effects=effects, judged=judged)  # fmt: skip
+                minutes=minutes, effects=effects, judged=judged, code=common.rows_code(rows))  # fmt: skip
 
 
 def main() -> None:
@@ -342,7 +342,8 @@ def main() -> None:
     rule = f"{RULE_TEXT} (per feedback arm: settled), or the saving stable over the ladder N × 1, 1.5, 2.5"
     kept = {str(r.steps): r.record() for r in earlier_effects[paper]}
     criterion = "; ".join(f"{MIXTURES[arm][1]}: {last['judged'][arm].criterion or 'neither'}" for arm in sizes.mixtures)
-    row = summary.Row(figures, rule, held, verdict, criterion=criterion, effect=EFFECT, effects=kept)
+    row = summary.Row(figures, rule, held, verdict, criterion=criterion, effect=EFFECT, effects=kept,
+                      commits={str(r["steps"]): r["code"] for r in rungs})  # fmt: skip
     summary.record(args, NAME, row)
 
 

@@ -209,6 +209,8 @@ def main() -> None:
     sizes = SMOKE if args.smoke else FULL
     timer = common.Timer()
     root = os.path.abspath(args.dir)  # the in-process steps take absolute paths, as the commands make them
+    runs = os.path.join(root, f"{sizes.steps}-steps")  # this budget's runs: every invocation may train there
+    common.stamp_training(runs, common.code_version(), begun=os.path.isdir(runs))
     results = [run_seed(sizes, root, seed) for seed in sizes.seeds]
     rows = []
     tail = ((f"75% + export/import ({a}) + 25%", a) for a in sizes.arms)
@@ -282,7 +284,8 @@ def main() -> None:
     figures = f"split − one run, final K=2 loss ({first} import): {common.mean_std(diffs, 4)} nats/byte"
     rule = f"the {first} phase's K=2 loss within 2% over its last 20% of steps (settled); no cost: below +{NO_COST} by 2 SE"
     row = summary.Row(figures, rule, check.held, said, criterion=judgement.criterion, effect=f"{EFFECT} ({first} import)",
-                      effects={str(r.steps): r.record() for r in rungs})  # fmt: skip
+                      effects={str(r.steps): r.record() for r in rungs},
+                      commits={str(sizes.steps): common.rows_code([{"trained_at": common.trained_at(runs)}])})  # fmt: skip
     summary.record(args, NAME, row)
 
 

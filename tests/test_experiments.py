@@ -1,6 +1,7 @@
 """Every experiment script of docs/results.md runs end to end in its --smoke mode and writes its
 block and plot; docs/results.md has each experiment's markers, and names a command that exists."""
 
+import dataclasses
 import json
 import os
 import re
@@ -18,6 +19,7 @@ EXPERIMENTS = {
     "text_efficiency": "| variant | schedule | tokens | mean K | loss K=1 | loss K=2 | loss K=3 |",
     "upcycle_split": "| run | loss K=1 | loss K=2 | loss K=3 | accuracy K=1 | accuracy K=2 |",
 }
+LADDER_TABLES = {"layer_probes": "| steps | 75/22/3 K=1 |", "depth_stability": "| steps | k12 growth |"}
 RESULTS = os.path.join(ROOT, "docs", "results.md")
 SUMMARY = ("<!-- begin: experiments/summary.py -->", "<!-- end: experiments/summary.py -->")
 
@@ -105,10 +107,120 @@ def test_the_summary_states_each_claim_in_one_sentence_from_its_recorded_effects
     first, second = summary.sentences(rows)
     assert first.startswith("- **Reproduced**: latent feedback helps on state tracking")
     assert "soft − standard accuracy (75/22/3) +0.322 ± 0.027 (standard error over 3 seeds) at 30000 steps" in first
-    assert first.endswith("decided as stable over a ladder.")
+    assert first.endswith(
+        "decided as stable over a ladder. Carried from other code: 6000 steps (before commits were recorded), "
+        "30000 steps (before commits were recorded)."
+    )
     assert (
         second.startswith("- **Open**: (fbt-jax's own)") and "-0.0375 ± 0.0086; undecided at this budget (x)." in second
     )
+
+
+def test_each_rung_records_the_code_it_came_from_and_the_summary_names_rungs_from_other_code(tmp_path):
+    """Issue #47: a sweep directory keeps the code versions that trained in it; a rung is tied to one
+    commit only where that commit trained all its runs and evaluates them now; summary.json keeps
+    each rung's code (a carried rung keeps the one recorded before), and the summary names every rung
+    computed by other code as carried."""
+    import argparse
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import common
+    import summary
+
+    now = common.code_version()
+    assert re.fullmatch(r"[0-9a-f]{7}(\+edits)?", now), now
+    fresh, begun = str(tmp_path / "fresh"), str(tmp_path / "begun")
+    common.stamp_training(fresh, now)
+    common.stamp_training(fresh, now)
+    assert common.trained_at(fresh) == [now]
+    os.makedirs(begun)
+    open(os.path.join(begun, "sweep.json"), "w").close()  # a sweep begun before stamps were kept
+    common.stamp_training(begun, now)
+    assert common.trained_at(begun) == [common.UNKNOWN, now]
+    assert common.rows_code([{"trained_at": [now]}] * 3) == now
+    assert (
+        common.rows_code([{"trained_at": [now]}, {"trained_at": []}])
+        == f"trained at {now}, unknown; evaluated at {now}"
+    )
+
+    docs = tmp_path / "results.md"
+    docs.write_text("\n".join(common.docs_block.markers("summary", "experiments")) + "\n", encoding="utf-8")
+    args = argparse.Namespace(write_docs=str(docs), smoke=False)
+    effects = {"6000": [0.1, 0.2, 0.3], "15000": [0.2, 0.3, 0.4]}
+    said = dict(criterion="stable over a ladder", effect="e", effects=effects)
+    first = summary.Row("f", "r", False, "reproduced", **said, commits={"6000": "1234567"})
+    summary.record(args, "state_tracking", first)
+    climbed = summary.Row("f", "r", False, "reproduced", **said, commits={"15000": now})
+    summary.record(args, "state_tracking", climbed)  # measures 15000 again; 6000 is carried
+    kept = summary.load_rows(str(docs))["state_tracking"]
+    assert kept.commits == {"6000": "1234567", "15000": now}
+    (sentence,) = summary.sentences({"state_tracking": kept})
+    assert sentence.endswith("Carried from other code: 6000 steps (1234567).")
+    all_now = dataclasses.replace(kept, commits={"6000": now, "15000": now})
+    assert "Carried" not in summary.sentences({"state_tracking": all_now})[0]
+    unrecorded = dataclasses.replace(kept, commits={})
+    said = summary.sentences({"state_tracking": unrecorded})[0]
+    assert "6000 steps (before commits were recorded), 15000 steps (before commits were recorded)." in said
+    assert f"computed by the code of commit {now}" in docs.read_text(encoding="utf-8")
+
+
+def test_depth_stability_carries_its_long_part_from_the_block_an_earlier_invocation_wrote(tmp_path):
+    """--carry-long keeps the T=1024 check, verdict, table and summary figures as written; without
+    such a block it stops with one line naming the flag, before anything is measured."""
+    import argparse
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import depth_stability
+
+    (tmp_path / "results").mkdir()
+    shutil.copy(RESULTS, tmp_path / "results.md")
+    shutil.copy(os.path.join(ROOT, "docs", "results", "summary.json"), tmp_path / "results" / "summary.json")
+    kept = depth_stability.earlier_long(argparse.Namespace(write_docs=str(tmp_path / "results.md")), 1024)
+    text = open(RESULTS, encoding="utf-8").read()
+    for paragraph in (kept["check"], *kept["verdicts"], *kept["table"]):
+        assert f"\n{paragraph}\n" in text
+    assert kept["check"].startswith("budget check: ") and "(T=1024" in kept["check"]
+    assert kept["verdicts"][0].startswith("verdict (T=1024:") and kept["verdicts"][1].startswith("verdict rule: ")
+    assert kept["table"][0].startswith("**Standard-library bytes at T=1024**") and kept["table"][1].startswith(
+        "| mixture"
+    )
+    recorded = json.loads(open(os.path.join(ROOT, "docs", "results", "summary.json"), encoding="utf-8").read())
+    assert kept["effects"] == recorded["depth_stability"]["effects"] and kept["figures"].startswith("T=1024, loss")
+    (tmp_path / "empty.md").write_text("nothing here\n", encoding="utf-8")
+    with pytest.raises(
+        SystemExit, match="has no T=1024 part of the depth_stability block to carry; run without --carry-long"
+    ):
+        depth_stability.earlier_long(argparse.Namespace(write_docs=str(tmp_path / "empty.md")), 1024)
+
+
+def test_the_probe_ladder_pairs_each_seed_with_itself():
+    """layer_probes' two S3 effects per rung: the paper arm's one pass − none, and its one pass − the
+    K=1-only model's one pass, seed by seed (t ≥ 8 of 16)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import layer_probes
+    from ml_collections import ConfigDict
+
+    positions = list(range(16))
+
+    def model(schedule, seed, steps, plain, one_pass):
+        probe = {"positions": positions, "K1": [0.0] * 8 + [plain] * 8, "K2": [0.0] * 8 + [one_pass] * 8}
+        config = ConfigDict({"train": {"steps": steps}})
+        return {"label.schedule": schedule, "label.seed": seed, "config": config, "probe": probe}
+
+    ladder = [
+        [model("k1", 1, 6000, 0.2, 0.25), model("paper", 0, 6000, 0.1, 0.5), model("paper", 1, 6000, 0.2, 0.4),
+         model("k1", 0, 6000, 0.1, 0.3)],
+        [model("paper", 0, 15000, 0.1, 0.6), model("paper", 1, 15000, 0.1, 0.7), model("k1", 0, 15000, 0.2, 0.2),
+         model("k1", 1, 15000, 0.1, 0.1)],
+    ]  # fmt: skip
+    effects, sharper = layer_probes.rungs(ladder, 16)
+    assert [r.steps for r in effects] == [6000, 15000]
+    np.testing.assert_allclose([r.values for r in effects], [[0.4, 0.2], [0.5, 0.6]])
+    np.testing.assert_allclose([r.values for r in sharper], [[0.2, 0.15], [0.4, 0.6]])
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +259,13 @@ def test_experiment_smoke_run_writes_its_block_and_plot(name, smoke_dir):
         assert part.split(": ", 1)[-1] in block, (part, block)
     assert without(after, [(begin, end), SUMMARY]) == without(before, [(begin, end), SUMMARY])
     assert (smoke_dir / "docs" / "results" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Every rung it computed is tied to the code that trained and evaluated it (issue #47).
+    assert set(recorded["commits"]) == set(recorded["effects"]), recorded
+    assert all(re.fullmatch(r"[0-9a-f]{7}(\+edits)?", code) for code in recorded["commits"].values()), recorded
+    if name in LADDER_TABLES:  # the probe and T=16 claims are judged over the state-tracking ladder on disk
+        table = block.split(LADDER_TABLES[name])[1].split("\n\n")[0]
+        rungs = [line.split(" | ")[0].strip("| ") for line in table.strip().splitlines()[2:]]
+        assert rungs and rungs == sorted(rungs, key=int), table
 
 
 def test_the_budget_check_holds_on_a_settled_curve_and_extrapolates_a_moving_one():
