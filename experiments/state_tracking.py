@@ -16,7 +16,9 @@ still moving is reported beside the verdict, not hidden). Until one criterion ho
 climbs the ladder: the same sweep at 2.5× and then 5× the steps (`--ladder`), each in its own
 directory; each rung's check and verdict are shown, and the per-seed effects go to summary.json.
 A rung an earlier invocation measured keeps its row (carried from the block it wrote), so that
-`--ladder=2.5` can climb one rung in a later session, on a machine that kept none of the runs.
+`--ladder=2.5` can climb one rung in a later session, on a machine that kept none of the runs. An
+explicit `--ladder` measures every rung it names (`--ladder=1,2.5,5`: the whole ladder at one
+commit), while the default climbs only until the verdict rule decides.
 
     python experiments/state_tracking.py --write-docs docs/results.md
 """
@@ -208,7 +210,8 @@ def code_note(codes: dict[str, str]) -> str:
 
 
 def main() -> None:
-    ladder = ("--ladder", dict(default="", help=f"budget multiples to climb until the check holds (default {LADDER})"))
+    ladder = ("--ladder", dict(default="", help=f"budget multiples to measure, every one (default: {LADDER}, "
+                                                "climbed until the verdict rule decides)"))  # fmt: skip
     args = common.arguments(__doc__, NAME, extra=[ladder, scales.OPTION])
     factors = [float(f) for f in (args.ladder or (SMOKE_LADDER if args.smoke else LADDER)).split(",")]
     num_sequences = 32 if args.smoke else 256
@@ -228,15 +231,21 @@ def main() -> None:
             args, NAME, len(LADDER_HEADER), rung_steps, {r["steps"] for r in rungs} | {steps}
         )
         effects = [earlier_effect(r, recorded) for r in earlier] + [effect(r["rows"]) for r in rungs] + [effect(rows)]
-        judged = budget.judge(EFFECT, effects, compared_check(rows, f"{steps} steps"), minimum=MINIMUM)
+        # A rung's own verdict reads the ladder up to it; the last one, below, the whole ladder.
+        upto = [e for e in effects if e.steps <= steps]
+        judged = budget.judge(EFFECT, upto, compared_check(rows, f"{steps} steps"), minimum=MINIMUM)
         check = budget_check(rows, f"{steps} steps")
         line, summary_row = verdict(rows, judged, check)
         minutes = common.sweep_minutes(common.state_tracking_dir(args, factor))
         rungs.append(dict(rows=rows, steps=steps, check=check, line=line, said=summary_row.verdict, judged=judged,
                           row=summary_row, train=minutes, evaluate=timer.minutes()))  # fmt: skip
-        if judged.criterion:
+        if judged.criterion and not args.ladder:  # decided: no higher rung unless one was asked for
             break
     last = rungs[-1]
+    if len(effects) > len(upto):  # rungs above the last one measured, carried: the verdict reads them too
+        judged = budget.judge(EFFECT, effects, compared_check(last["rows"], f"{last['steps']} steps"), minimum=MINIMUM)
+        line, summary_row = verdict(last["rows"], judged, last["check"])
+        last.update(line=line, said=summary_row.verdict, judged=judged, row=summary_row)
     for rung in rungs:
         rung.update(cells=ladder_cells(rung), paragraphs=[rung["check"].line, rung["line"]])
     for rung in earlier:  # its timing, as the block that measured it gave it
