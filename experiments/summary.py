@@ -109,13 +109,16 @@ def top_effect(row: Row) -> str:
 
 
 def carried(row: Row, now: str) -> str:
-    """' Carried: the rung at 15000 steps (trained at 1234567; ...)': the rungs of `row`'s effect
-    computed by code other than `now` ('' where none was)."""
+    """' Carried from other code: 6000, 15000 steps (1234567).': the rungs of `row`'s effect computed
+    by code other than `now`, grouped by their code ('' where there is none)."""
     other = {steps: row.commits.get(steps, "before commits were recorded") for steps in row.effects}
     other = {steps: code for steps, code in other.items() if code != now}
     if not other:
         return ""
-    said = ", ".join(f"{steps} steps ({code})" for steps, code in sorted(other.items(), key=lambda kv: int(kv[0])))
+    by_code: dict[str, list[str]] = {}
+    for steps in sorted(other, key=int):
+        by_code.setdefault(other[steps], []).append(steps)
+    said = "; ".join(f"{', '.join(steps)} steps ({code})" for code, steps in by_code.items())
     return f" Carried from other code: {said}."
 
 
