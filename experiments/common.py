@@ -58,7 +58,7 @@ def code_version() -> str:
 
     try:
         last = git("log", "-1", "--format=%H", "--", *CODE_PATHS)[:7]
-        edited = git("status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS)
+        edited = git("status", "--porcelain", "--", *CODE_PATHS)  # new files too
     except (OSError, subprocess.CalledProcessError):
         return UNKNOWN
     return (last or UNKNOWN) + ("+edits" if edited else "")
