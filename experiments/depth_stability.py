@@ -166,10 +166,12 @@ def earlier_long(args: Any, long_len: int) -> dict[str, Any]:
     mark = f"T={long_len}"
     block = text.split(begin, 1)[1].split(end, 1)[0] if begin in text and end in text else ""
     paragraphs = [p.strip() for p in block.split("\n\n")]
-    starts = [next((i for i, p in enumerate(paragraphs) if p.startswith(head)), None) for head in
-              (f"budget check: failed ({mark})", f"budget check: held ({mark})", f"verdict ({mark}:",
-               f"**Standard-library bytes at {mark}**")]  # fmt: skip
-    check, verdict_at, table_at = starts[0] if starts[0] is not None else starts[1], starts[2], starts[3]
+
+    def first(*heads: str) -> int | None:
+        return next((i for i, p in enumerate(paragraphs) if p.startswith(heads)), None)
+
+    check = first(f"budget check: failed ({mark})", f"budget check: held ({mark})")
+    verdict_at, table_at = first(f"verdict ({mark}:"), first(f"**Standard-library bytes at {mark}**")
     if row is None or None in (check, verdict_at, table_at) or f"; {mark}, " not in row.figures:
         raise SystemExit(f"--carry-long: {args.write_docs or 'no --write-docs file'} has no {mark} part of the "
                          f"{NAME} block to carry; run without --carry-long")  # fmt: skip
@@ -178,7 +180,8 @@ def earlier_long(args: Any, long_len: int) -> dict[str, Any]:
     return dict(
         check=paragraphs[check], verdicts=paragraphs[verdict_at : verdict_at + 2],
         table=paragraphs[table_at : table_at + 2], minutes=int(minutes.group(1)) if minutes else None,
-        figures=f"{mark}, " + row.figures.split(f"; {mark}, ", 1)[1], held="held" in paragraphs[check][:24],
+        figures=f"{mark}, " + row.figures.split(f"; {mark}, ", 1)[1],
+        held=paragraphs[check].startswith("budget check: held"),
         verdict=row.verdict.split(f"; {mark}: ", 1)[1], criterion=row.criterion.split(f"; {mark}: ", 1)[1],
         effects=row.effects, commits={steps: row.commits.get(steps, "before commits were recorded")} if steps else {},
     )  # fmt: skip

@@ -265,6 +265,13 @@ def test_experiment_smoke_run_writes_its_block_and_plot(name, smoke_dir):
         table = block.split(LADDER_TABLES[name])[1].split("\n\n")[0]
         rungs = [line.split(" | ")[0].strip("| ") for line in table.strip().splitlines()[2:]]
         assert rungs and rungs == sorted(rungs, key=int), table
+    if name == "depth_stability":  # --carry-long keeps the long part just written, measures T=16 again
+        long_part = block[block.index("**Standard-library bytes at T=64**") :].split("\n\n")[:2]
+        again = run_command(command + ["--carry-long", f"--write-docs={results}"], cpu_env(None), timeout=900)
+        assert again.returncode == 0, again.stderr[-3000:]
+        carried = results.read_text(encoding="utf-8").split(begin)[1].split(end)[0]
+        assert "is carried from the block an earlier invocation wrote" in carried
+        assert "\n\n".join(long_part) in carried and "\nverdict (T=64:" in carried
 
 
 def test_the_budget_check_holds_on_a_settled_curve_and_extrapolates_a_moving_one():
