@@ -160,9 +160,11 @@ CARRY = (
 def earlier_long(args: Any, long_len: int) -> dict[str, Any]:
     """The T=`long_len` part of the block an earlier invocation wrote, and of its summary row: what
     --carry-long keeps. Fails before anything is measured where there is none."""
+    if not args.write_docs:
+        raise SystemExit(f"--carry-long needs --write-docs: the file whose {NAME} block holds the part to carry")
     begin, end = common.docs_block.markers(NAME, "experiments")
-    text = open(args.write_docs, encoding="utf-8").read() if args.write_docs else ""
-    row = summary.load_rows(args.write_docs).get(NAME) if args.write_docs else None
+    text = open(args.write_docs, encoding="utf-8").read()
+    row = summary.load_rows(args.write_docs).get(NAME)
     mark = f"T={long_len}"
     block = text.split(begin, 1)[1].split(end, 1)[0] if begin in text and end in text else ""
     paragraphs = [p.strip() for p in block.split("\n\n")]
@@ -173,7 +175,7 @@ def earlier_long(args: Any, long_len: int) -> dict[str, Any]:
     check = first(f"budget check: failed ({mark})", f"budget check: held ({mark})")
     verdict_at, table_at = first(f"verdict ({mark}:"), first(f"**Standard-library bytes at {mark}**")
     if row is None or None in (check, verdict_at, table_at) or f"; {mark}, " not in row.figures:
-        raise SystemExit(f"--carry-long: {args.write_docs or 'no --write-docs file'} has no {mark} part of the "
+        raise SystemExit(f"--carry-long: {args.write_docs} has no {mark} part of the "
                          f"{NAME} block to carry; run without --carry-long")  # fmt: skip
     minutes = re.search(r"took (\d+) min of job time", block)
     steps = next(iter(row.effects), None)
