@@ -185,7 +185,7 @@ def earlier_long(args: Any, long_len: int) -> dict[str, Any]:
         figures=f"{mark}, " + row.figures.split(f"; {mark}, ", 1)[1],
         held=paragraphs[check].startswith("budget check: held"),
         verdict=row.verdict.split(f"; {mark}: ", 1)[1], criterion=row.criterion.split(f"; {mark}: ", 1)[1],
-        effects=row.effects, commits={steps: row.commits.get(steps, "before commits were recorded")} if steps else {},
+        effects=row.effects, commits={steps: row.commits.get(steps, summary.UNRECORDED)} if steps else {},
     )  # fmt: skip
 
 
@@ -254,8 +254,9 @@ def main() -> None:
     short_check = state_tracking.budget_check(short, f"T={short_len}, the state-tracking models")
     compared = [r for r in short if r["label.schedule"] in ("k12", "paper")]
     settled = state_tracking.budget_check(compared, f"T={short_len}, k12 and paper")
-    short_lines, short_judged = verdict(short, settled, short_len, [effect(rows) for rows in ladder])
-    codes = {str(effect(rows).steps): common.rows_code(rows) for rows in ladder}
+    short_effects = [effect(rows) for rows in ladder]
+    short_lines, short_judged = verdict(short, settled, short_len, short_effects)
+    codes = {str(rung.steps): common.rows_code(rows) for rung, rows in zip(short_effects, ladder)}
     long = carried or measure_long(args, long_len, long_depth)
     figure = common.plot_path(args, NAME)
     parts = [(f"S3, trained at T={short_len}", short)]
@@ -293,7 +294,7 @@ def main() -> None:
         common.figure_line(args, figure, "loss and per-pass change against feedback depth"),
     ]
     common.finish(args, NAME, "\n".join(body))
-    ladder_figures = ", ".join(f"{rows[0]['config'].train.steps} steps {effect(rows).mean:+.3f}" for rows in ladder)
+    ladder_figures = ", ".join(f"{rung.steps} steps {rung.mean:+.3f}" for rung in short_effects)
     row = summary.Row(
         f"{loss_figures(short, short_len)} at {steps} steps, {{1, 2}} − 75/22/3 growth over the ladder: "
         f"{ladder_figures}; {long['figures']}",

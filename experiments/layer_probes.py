@@ -180,7 +180,7 @@ def verdicts(
     effects, sharper = rungs(ladder, seq_len)
     codes = {str(r.steps): common.rows_code(rows) for r, rows in zip(effects, ladder)}
     carried = [budget.Rung.from_record(int(k), v) for k, v in kept.items() if k not in codes]
-    codes |= {str(r.steps): kept_codes.get(str(r.steps), "before commits were recorded") for r in carried}
+    codes |= {str(r.steps): kept_codes.get(str(r.steps), summary.UNRECORDED) for r in carried}
     s3_ladder = sorted(carried + effects, key=lambda r: r.steps)
     said, figures, judged = {}, [], {}
     for task, rows, task_ladder in (("S3", word, s3_ladder), ("delayed recall", recall, None)):

@@ -265,7 +265,7 @@ def main() -> None:
     if earlier:
         carried += " Their verdicts are as written then; the verdict rule's paragraph judges the whole ladder."
     kept_codes = summary.load_commits(args, NAME, scales.variant(args))
-    codes = {str(r["steps"]): kept_codes.get(str(r["steps"]), "before commits were recorded") for r in earlier}
+    codes = {str(r["steps"]): kept_codes.get(str(r["steps"]), summary.UNRECORDED) for r in earlier}
     codes |= {str(r["steps"]): common.rows_code(r["rows"]) for r in rungs}
     carried += " " + code_note(codes)
     scale = scales.of(args)

@@ -24,6 +24,7 @@ import common
 from fbt_jax.data import store
 
 NAME = "summary"
+UNRECORDED = "before commits were recorded"  # a rung recorded before Row.commits existed
 CLAIMS = {  # experiment: what the paper says (method.md §9)
     "state_tracking": "latent feedback helps on state tracking: the paper's 75/22/3 mixture decodes the S3 word "
     "problem better with feedback than without",
@@ -111,7 +112,7 @@ def top_effect(row: Row) -> str:
 def carried(row: Row, now: str) -> str:
     """' Carried from other code: 6000, 15000 steps (1234567).': the rungs of `row`'s effect computed
     by code other than `now`, grouped by their code ('' where there is none)."""
-    other = {steps: row.commits.get(steps, "before commits were recorded") for steps in row.effects}
+    other = {steps: row.commits.get(steps, UNRECORDED) for steps in row.effects}
     other = {steps: code for steps, code in other.items() if code != now}
     if not other:
         return ""
