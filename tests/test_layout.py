@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+import subprocess
 
 import pytest
 
@@ -305,3 +306,26 @@ def test_docs_name_only_test_files_that_exist():
             named |= {(doc, path) for path in re.findall(r"tests/test_\w+\.py", f.read())}
     missing = sorted(f"{doc}: {path}" for doc, path in named if not os.path.exists(os.path.join(ROOT, path)))
     assert not missing, f"docs name test files that do not exist: {missing}"
+
+
+# The files the project keeps at its root; anything else there (a shell fragment's stray output, a
+# scratch file) is an accident that a commit would carry to every clone (issue #58).
+ROOT_FILES = {".gitignore", "DEVELOPING.md", "README.md", "pyproject.toml"}
+
+
+def root_files_a_commit_would_carry() -> set[str]:
+    """The plain files at the repository root that git tracks or would add (not ignored)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode("utf-8", "surrogateescape")
+    return {path for path in listed.split("\0") if path and "/" not in path}
+
+
+def test_the_root_holds_only_the_projects_own_files():
+    stray = sorted(root_files_a_commit_would_carry() - ROOT_FILES)
+    assert not stray, (
+        f"files at the repository root that are not the project's: {stray}; remove them (or name a new one in ROOT_FILES)"
+    )
