@@ -6,6 +6,7 @@ import csv
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -83,17 +84,78 @@ def test_runs_share_trunks_up_to_the_step_where_their_passes_differ(tmp_path):
     assert steps_trained == 2 * (1000 + 500 + 3 * 500 + 1000)  # vs 8 × 2000 without sharing
 
 
+def sweep_main(argv, capsys):
+    """fbt-sweep in this process: its exit code and stderr (a refusal is cheap, no command to start)."""
+    from fbt_jax.sweep.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    return stopped.value.code, capsys.readouterr().err
+
+
+def assert_one_line(code, stderr, pattern):
+    assert code == 2 and "Traceback" not in stderr, stderr
+    assert len(stderr.strip().splitlines()) == 1 and stderr.startswith("fbt-sweep: "), stderr
+    assert re.search(pattern, stderr), stderr
+
+
 @pytest.mark.parametrize(
     "extra, pattern",
     [
         ('"seeds": [0], "oops": 1', r"unknown field\(s\) \['oops'\]"),
         ('"seeds": [0], "runs": [{"name": "a", "train.stepz": 3}]', r"unknown config field 'train.stepz'"),
         ('"seeds": [0], "runs": [{"name": "a"}, {"name": "a"}]', r"occur twice"),
+        # A field of the wrong shape: a scalar, or a string iterated character by character.
+        ('"grid": {"optimizer.learning_rate": 0.001}', r"grid field 'optimizer.learning_rate' must be a list"),
+        ('"grid": {"optimizer.learning_rate": "0.001"}', r"grid field 'optimizer.learning_rate' must be a list"),
+        ('"grid": {"passes.schedule": "0:1"}', r"grid field 'passes.schedule' must be a list"),
+        ('"grid": {"passes.schedule": {1: "0:1"}}', r"grid field 'passes.schedule': label 1 must be a string"),
+        ('"grid": {3: [1]}', r"grid field 3 must be a config field's dotted name"),
+        ('"grid": ["passes.schedule"]', r'"grid" must be a dict'),
+        ('"seeds": 3', r'"seeds" must be a list of integers'),
+        ('"seeds": "12"', r'"seeds" must be a list of integers'),
+        ('"seeds": [0, "1"]', r'"seeds" must be a list of integers'),
+        ('"runs": ["wide", "base"]', r'"runs" must be a list of dicts'),
+        ('"runs": {"wide": {"model.embed_dim": 64}}', r'"runs" must be a list of dicts'),
+        ('"runs": [{"name": 3}]', r"runs\[0\]: its name must be a string"),
+        ('"runs": [{"name": "a", 3: 1}]', r"runs\[0\] field 3 must be a config field's dotted name"),
+        ('"overrides": ["train.steps=10"]', r'"overrides" must be a dict'),
+        ('"overrides": {("train", "steps"): 10}', r"overrides field \('train', 'steps'\) must be a config"),
+        ('"base": 3', r'"base" must be the path of the run config'),
+        ('"base": None', r'"base" must be the path of the run config'),
+        ('"name": 3', r'"name" must be a string'),
+        ('"name": ".."', r"sweep name '..' may not start with '.'"),
+        # A label or run name that cannot be part of one directory name.
+        ('"grid": {"passes.schedule": {"a/b": "0:1"}}', r"label 'a/b' .*'/'"),
+        ('"grid": {"passes.schedule": {"": "0:1"}}', r"label '' is empty"),
+        ('"seeds": [0], "runs": [{"name": "wide/x"}]', r"run name 'wide/x' .*'/'"),
+        (r'"seeds": [0], "runs": [{"name": "a\\b"}]', r"run name 'a\\\\b' .*'\\\\'"),
+        (r'"seeds": [0], "runs": [{"name": "a\x00b"}]', r"run name 'a\\x00b' .*a control character"),
+        ('"seeds": [0], "runs": [{"name": ""}]', r"run name '' is empty"),
+        ('"seeds": [0], "runs": [{"name": "w" * 300}]', r"run 'run=w+\.\.\.' has a name of \d+ bytes"),
     ],
 )
-def test_a_bad_spec_is_one_clear_error(tmp_path, extra, pattern):
+def test_a_bad_spec_is_one_clear_error(tmp_path, capsys, extra, pattern):
+    spec = write_spec(tmp_path, extra=extra)
     with pytest.raises(ConfigError, match=pattern):
-        load_sweep(write_spec(tmp_path, extra=extra))
+        load_sweep(spec)
+    sweep_dir = tmp_path / "sweep"  # the command says so in one line, before it writes anything
+    assert_one_line(*sweep_main(["print", spec, f"--dir={sweep_dir}"], capsys), r"^fbt-sweep: config error: ")
+    assert not sweep_dir.exists()
+
+
+@pytest.mark.parametrize("steps", ["-1", "0"])
+def test_a_trunk_shorter_than_one_step_is_refused(tmp_path, capsys, steps):
+    """0 or less would make a trunk of no steps, which trains its whole run (stop_at_step=0)."""
+    spec = write_spec(tmp_path, extra='"grid": {"passes.schedule": ["0:1", "0:2"]}')
+    code, stderr = sweep_main(["print", spec, f"--dir={tmp_path / 'sweep'}", f"--min-shared-steps={steps}"], capsys)
+    assert_one_line(code, stderr, rf"--min-shared-steps={steps} must be at least 1")
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_a_spec_may_give_its_lists_as_tuples_or_ranges(tmp_path):
+    spec = write_spec(tmp_path, extra='"seeds": range(2), "runs": ({"name": "a"},)')
+    assert len(load_sweep(spec).runs) == 6
 
 
 def test_a_mixture_that_does_not_sum_to_one_names_the_run(tmp_path):
@@ -318,3 +380,60 @@ def test_status_names_each_jobs_state_and_a_failures_last_line(tmp_path):
     )
     assert states[resumable.name] == type(states[resumable.name])("pending", "resumes from step 8")
     assert directory.job_seconds(failed.name) == 12.5
+
+
+def without_jobs(record):
+    del record["jobs"]
+
+
+def without_a_job_file(record):
+    os.remove(os.path.join(os.path.dirname(record["spec"]), "sweep", "jobs", "schedule=k1,seed=0.json"))
+
+
+def without_a_jobs_parent(record):
+    del record["jobs"][0]["parent"]
+
+
+def without_its_name(record):
+    del record["name"]
+
+
+@pytest.mark.parametrize(
+    "damage, pattern",
+    [
+        (without_jobs, r"sweep\.json has no 'jobs'; run the sweep's spec again"),
+        (without_a_job_file, r"jobs/schedule=k1,seed=0\.json is missing; run the sweep's spec again"),
+        (without_a_jobs_parent, r"sweep\.json: jobs\[0\] has no 'parent'; run the sweep's spec again"),
+        (without_its_name, r"sweep\.json has no 'name'; run the sweep's spec again"),
+    ],
+)
+@pytest.mark.parametrize("command", ["status", "report"])
+def test_a_damaged_sweep_directory_is_one_line_and_its_spec_rewrites_it(tmp_path, capsys, damage, pattern, command):
+    spec = write_spec(tmp_path, extra='"seeds": [0]')
+    sweep = load_sweep(spec)
+    directory = SweepDirectory(str(tmp_path / "sweep"), sweep.name)
+    directory.write(sweep, plan(sweep, directory.directory))
+    with open(directory.path("sweep.json")) as f:
+        record = json.load(f)
+    damage(record)
+    with open(directory.path("sweep.json"), "w") as f:
+        json.dump(record, f)
+    assert_one_line(*sweep_main([command, f"--dir={directory.directory}"], capsys), pattern)
+    assert sweep_main(["print", spec, f"--dir={directory.directory}"], capsys)[0] == 0  # as the line says
+    assert sweep_main(["status", f"--dir={directory.directory}"], capsys)[0] == 0
+
+
+@pytest.mark.parametrize(
+    "text, pattern",
+    [
+        ("[1, 2]", r"sweep\.json holds \[1, 2\], not a sweep record"),
+        ('{"name": "small", "spec": "small.py", "runs": [], "jobs": []}', r"sweep\.json has no 'digest'"),
+    ],
+)
+def test_a_sweep_json_of_unknown_spec_is_one_line_and_left_alone(tmp_path, capsys, text, pattern):
+    (tmp_path / "sweep").mkdir()
+    (tmp_path / "sweep" / "sweep.json").write_text(text)
+    assert_one_line(*sweep_main(["status", f"--dir={tmp_path / 'sweep'}"], capsys), pattern)
+    spec = write_spec(tmp_path, extra='"seeds": [0]')  # run refuses it too, and writes nothing there
+    assert_one_line(*sweep_main(["print", spec, f"--dir={tmp_path / 'sweep'}"], capsys), pattern)
+    assert (tmp_path / "sweep" / "sweep.json").read_text() == text and os.listdir(tmp_path / "sweep") == ["sweep.json"]

@@ -43,7 +43,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--override", action="append", default=[], help="FIELD=VALUE for every run (repeatable), e.g. train.steps=100"
     )
-    parser.add_argument("--min-shared-steps", type=int, default=None, help="shortest trunk worth a job")
+    parser.add_argument(
+        "--min-shared-steps",
+        type=int,
+        default=None,
+        help="shortest trunk worth a job, at least 1 (default: 5%% of the run)",
+    )
     parser.add_argument(
         "--scores",
         default="",
@@ -53,6 +58,11 @@ def main(argv: list[str] | None = None) -> None:
         args = parser.parse_args(argv)
         if args.parallel < 1:
             raise ConfigError(f"--parallel={args.parallel} must be at least 1")
+        if args.min_shared_steps is not None and args.min_shared_steps < 1:  # a trunk of 0 steps trains it all
+            raise ConfigError(
+                f"--min-shared-steps={args.min_shared_steps} must be at least 1 (a trunk trains at least one step); "
+                "leave it out for the default, 5% of the run"
+            )
         if args.command in ("run", "print"):
             code = run(args)
         else:

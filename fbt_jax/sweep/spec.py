@@ -9,7 +9,8 @@ A spec is a Python file with `get_sweep()` returning a dict (config fields are d
     seeds      optional [seeds]: shorthand for a `seed` axis of the grid
 
 A run's name is made of its labels in spec order ("schedule=k12,seed=1"), so names are stable
-across reruns and readable in tables. `Run.config` is the full, validated run config.
+across reruns and readable in tables; it names the run's directory and files, so a label holds
+no path separator. `Run.config` is the full, validated run config.
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ from fbt_jax.errors import ConfigError
 from fbt_jax.validation import validate_config
 
 SPEC_FIELDS = ("name", "base", "overrides", "grid", "runs", "seeds")
+# What a spec may give where a list belongs. Not a string (taken character by character), nor a
+# set (its order, and so the runs' order and the sweep's digest, may change between processes).
+SEQUENCES = (list, tuple, range)
+# A run's name is one file name (runs/<name>/, jobs/<name>.json, logs/<name>.attempts): 255 bytes
+# on every common file system, less the longest suffix the sweep adds to it.
+MAX_RUN_NAME_BYTES = 255 - len(".attempts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,15 +84,20 @@ def load_sweep(path: str, extra_overrides: dict[str, Any] | None = None) -> Swee
     unknown = set(spec.keys()) - set(SPEC_FIELDS)
     if unknown:
         raise ConfigError(f"sweep spec {path}: unknown field(s) {sorted(unknown)}; a spec has {', '.join(SPEC_FIELDS)}")
+    check_shapes(spec, path)  # before any field is iterated
     name = spec.get("name") or os.path.splitext(os.path.basename(path))[0]
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         raise ConfigError(f"sweep name {name!r} may hold only letters, digits, '_', '.' and '-'")
-    base_path = os.path.normpath(os.path.join(os.path.dirname(path), spec.get("base", "")))
+    if name.startswith("."):  # "." and ".." would put the sweep in runs/sweeps/ or runs/ itself
+        raise ConfigError(f"sweep name {name!r} may not start with '.'; give the spec a name such as \"my_sweep\"")
+    base_path = os.path.normpath(os.path.join(os.path.dirname(path), spec["base"]))
     axes = _axes(spec, path)
     listed = []
     for i, entry in enumerate(spec.get("runs", None) or [{}]):
         fields = dict(entry)
-        listed.append((str(fields.pop("name", f"run{i}")), fields))
+        run_label = fields.pop("name", f"run{i}")
+        check_label(run_label, f"runs[{i}]: run name", path)
+        listed.append((run_label, fields))
     runs: list[Run] = []
     for (run_label, fields), combination in itertools.product(listed, itertools.product(*[v for _, v in axes])):
         labels = {"run": run_label} if spec.get("runs") else {}
@@ -99,6 +111,12 @@ def load_sweep(path: str, extra_overrides: dict[str, Any] | None = None) -> Swee
             labels[field.split(".")[-1]] = label
             overrides[field] = value
         run_name = ",".join(f"{axis}={label}" for axis, label in labels.items())
+        if len(run_name.encode()) > MAX_RUN_NAME_BYTES:
+            raise ConfigError(
+                f"sweep spec {path}: run {run_name[:40] + '...'!r} has a name of {len(run_name.encode())} bytes, "
+                f"and a file name holds at most {MAX_RUN_NAME_BYTES} here; give its values shorter labels "
+                "(a grid field as {label: value}, a listed run a shorter name)"
+            )
         config = load_python(base_path, "get_config", "run config")
         for field, value in {**dict(spec.get("overrides", {}) or {}), **overrides, **(extra_overrides or {})}.items():
             _set(config, field, value, path)
@@ -143,11 +161,111 @@ def _axes(spec: dict[str, Any], path: str) -> list[tuple[str, list[tuple[str, An
         raise ConfigError(f"sweep spec {path} has an empty grid and no runs; give grid values or a list of runs")
     axes = []
     for field, values in grid.items():
-        items = list(values.items()) if hasattr(values, "items") else [(_label(v), v) for v in values]
+        items = list(values.items()) if isinstance(values, dict) else [(_label(v), v) for v in values]
+        for label, _ in items if isinstance(values, dict) else ():
+            check_label(label, f"grid field {field!r}: label", path)
         if not items:
             raise ConfigError(f"sweep spec {path}: grid field {field!r} has no values; give at least one")
         axes.append((field, items))
     return axes
+
+
+def check_shapes(spec: dict[str, Any], path: str) -> None:
+    """ConfigError naming the first spec field whose shape is not the one the spec takes (module
+    docstring, docs/sweeps.md), with what it must be and an example."""
+    where = f"sweep spec {path}"
+    if spec.get("name") is not None and not isinstance(spec["name"], str):
+        raise ConfigError(f'{where}: "name" must be a string, not {_shown(spec["name"])}; e.g. "name": "my_sweep"')
+    if "base" not in spec:
+        raise ConfigError(
+            f'{where} has no "base"; give the run config every run starts from, e.g. "base": "../tiny.py"'
+        )
+    if not isinstance(spec["base"], str) or not spec["base"]:
+        raise ConfigError(
+            f'{where}: "base" must be the path of the run config file, relative to the spec, '
+            f'not {_shown(spec["base"])}; e.g. "base": "../tiny.py"'
+        )
+    overrides = spec.get("overrides")
+    if overrides is not None and not isinstance(overrides, dict):
+        raise ConfigError(
+            f'{where}: "overrides" must be a dict {{field: value}}, not {_shown(overrides)}; '
+            'e.g. "overrides": {"train.steps": 2000}'
+        )
+    _check_field_names(overrides or {}, "overrides", where)
+    grid = spec.get("grid")
+    if grid is not None and not isinstance(grid, dict):
+        raise ConfigError(
+            f'{where}: "grid" must be a dict {{field: [values]}} or {{field: {{label: value}}}}, not {_shown(grid)}; '
+            'e.g. "grid": {"optimizer.learning_rate": [0.001, 0.003]}'
+        )
+    _check_field_names(grid or {}, "grid", where)
+    for field, values in (grid or {}).items():
+        if not isinstance(values, (*SEQUENCES, dict)):
+            raise ConfigError(
+                f"{where}: grid field {field!r} must be a list of values or a dict {{label: value}}, "
+                f"not {_shown(values)}; e.g. {json.dumps(field)}: [{_shown(values, 40, typed=False)}]"
+            )
+    seeds = spec.get("seeds")
+    wrong_seed = _first_wrong(seeds, lambda seed: isinstance(seed, int) and not isinstance(seed, bool), "seeds")
+    if wrong_seed:
+        raise ConfigError(f'{where}: "seeds" must be a list of integers, {wrong_seed}; e.g. "seeds": [0, 1, 2]')
+    runs = spec.get("runs")
+    wrong_run = _first_wrong(runs, lambda run: isinstance(run, dict), "runs")
+    if wrong_run:
+        raise ConfigError(
+            f'{where}: "runs" must be a list of dicts {{"name": label, field: value, ...}}, {wrong_run}; '
+            'e.g. "runs": [{"name": "wide", "model.embed_dim": 128}, {"name": "base"}]'
+        )
+    for i, run in enumerate(runs or ()):
+        if "name" in run and not isinstance(run["name"], str):
+            raise ConfigError(
+                f"{where}: runs[{i}]: its name must be a string, not {_shown(run['name'])}; "
+                f'e.g. "name": {json.dumps(str(run["name"]))}'
+            )
+        _check_field_names(run, f"runs[{i}]", where)
+
+
+def check_label(label: Any, what: str, path: str) -> None:
+    """ConfigError unless `label` can be part of a run's name, which is one directory name."""
+    if not isinstance(label, str):
+        raise ConfigError(f"sweep spec {path}: {what} {label!r} must be a string, e.g. {str(label)!r}")
+    if not label:
+        raise ConfigError(f"sweep spec {path}: {what} '' is empty; give it a name")
+    for char in label:
+        if char in "/\\":  # a path separator (on POSIX, or on Windows for a copied sweep)
+            raise ConfigError(
+                f"sweep spec {path}: {what} {label!r} holds {char!r}, and a run's name is one directory "
+                f"name; use letters, digits and '_.+-', e.g. {_label(label)!r}"
+            )
+        if ord(char) < 0x20 or char == "\x7f":  # NUL cannot be in a file name; the others break logs and tables
+            raise ConfigError(f"sweep spec {path}: {what} {label!r} holds a control character ({char!r}); remove it")
+
+
+def _check_field_names(fields: dict[Any, Any], what: str, where: str) -> None:
+    for field in fields:
+        if not isinstance(field, str):
+            raise ConfigError(
+                f"{where}: {what} field {field!r} must be a config field's dotted name (a string), "
+                'e.g. "optimizer.learning_rate"'
+            )
+
+
+def _first_wrong(values: Any, right: Any, what: str) -> str:
+    """How `values` (None: not given) is not a list of items for which `right` holds; "" if it is."""
+    if values is None:
+        return ""
+    if not isinstance(values, SEQUENCES):
+        return f"not {_shown(values)}"
+    for i, item in enumerate(values):
+        if not right(item):
+            return f"and {what}[{i}] is {_shown(item)}"
+    return ""
+
+
+def _shown(value: Any, limit: int = 60, typed: bool = True) -> str:
+    """`value` for a message: its repr, cut at `limit` characters, with its type."""
+    text = repr(value) if len(repr(value)) <= limit else repr(value)[: limit - 3] + "..."
+    return f"{text} ({type(value).__name__})" if typed else text
 
 
 def _label(value: Any) -> str:

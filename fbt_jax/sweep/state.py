@@ -19,7 +19,7 @@ import os
 from typing import Any
 
 from fbt_jax.config import config_from_dict, default_config
-from fbt_jax.errors import ConfigError
+from fbt_jax.errors import ConfigError, describe
 from fbt_jax.sweep.plan import Job, job_record
 from fbt_jax.sweep.spec import Run, Sweep, digest
 
@@ -34,6 +34,12 @@ from fbt_jax.config import config_from_dict, default_config
 def get_config():
     return config_from_dict(json.loads(pathlib.Path(__file__).with_suffix(".json").read_text()))
 '''
+
+
+# What `SweepDirectory.load` reads from sweep.json (`write` records them all).
+RECORD_FIELDS = ("name", "spec", "digest", "runs", "jobs")
+JOB_FIELDS = ("name", "kind", "start", "end", "parent", "members")
+RUN_FIELDS = ("name", "labels", "overrides")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +85,8 @@ class SweepDirectory:
         recorded = self.record()
         if recorded is None or recorded.get("digest") == sweep.digest:
             return
+        if "digest" not in recorded:  # whose sweep this is cannot be told: nothing may be written over it
+            raise ConfigError(self._no_digest())
         if recorded.get("digest") == self._digest_on_known_fields(sweep):  # written before fields were added
             return
         raise ConfigError(
@@ -110,27 +118,78 @@ class SweepDirectory:
             return None
         try:
             with open(path, encoding="utf-8") as f:
-                return json.load(f)
+                record = json.load(f)
         except (OSError, ValueError) as err:
             raise ConfigError(
                 f"{path} cannot be read ({err}); it is not a sweep directory written by fbt-sweep"
             ) from None
+        if not isinstance(record, dict):
+            shown = json.dumps(record)
+            raise ConfigError(
+                f"{path} holds {shown if len(shown) <= 40 else shown[:37] + '...'}, not a sweep record; "
+                "it is not a sweep directory written by fbt-sweep: give another --dir"
+            )
+        return record
 
     def load(self) -> tuple[Sweep, list[Job]]:
         """The sweep and its jobs as recorded here (no spec file needed: status and report)."""
         record = self.record()
         if record is None:
             raise ConfigError(f"{self.directory} holds no sweep.json; start the sweep with: fbt-sweep run SPEC")
-        configs = {}
-        for job in record["jobs"]:
-            with open(self.path("jobs", f"{job['name']}.json"), encoding="utf-8") as f:
-                configs[job["name"]] = config_from_dict(json.load(f))
+        self._check_record(record)
+        configs = {job["name"]: self._job_config(job["name"]) for job in record["jobs"]}
         jobs = [
             Job(j["name"], j["kind"], j["start"], j["end"], j["parent"], tuple(j["members"]), configs[j["name"]])
             for j in record["jobs"]
         ]
         runs = [Run(r["name"], r["overrides"], r["labels"], configs[r["name"]]) for r in record["runs"]]
         return Sweep(record["name"], record["spec"], runs, record["digest"]), jobs
+
+    def _check_record(self, record: dict[str, Any]) -> None:
+        """ConfigError naming the first field `load` needs that sweep.json lacks (a file cut short
+        or edited by hand): `fbt-sweep run` with the sweep's spec writes it anew."""
+        rewrite = f"run the sweep's spec again (fbt-sweep run SPEC --dir={self.directory}) to write it anew"
+        path = self.path("sweep.json")
+        if "digest" not in record:  # `run` cannot tell whether the spec is its own: it will not rewrite it
+            raise ConfigError(self._no_digest())
+        missing = [field for field in RECORD_FIELDS if field not in record]
+        if missing:
+            raise ConfigError(f"{path} has no {missing[0]!r}; {rewrite}")
+        for field, entry_fields in (("jobs", JOB_FIELDS), ("runs", RUN_FIELDS)):
+            if not isinstance(record[field], list):
+                raise ConfigError(f"{path}: {field!r} is not a list; {rewrite}")
+            for i, entry in enumerate(record[field]):
+                if not isinstance(entry, dict):
+                    raise ConfigError(f"{path}: {field}[{i}] is not a record; {rewrite}")
+                lacking = [key for key in entry_fields if key not in entry]
+                if lacking:
+                    raise ConfigError(f"{path}: {field}[{i}] has no {lacking[0]!r}; {rewrite}")
+        jobs = {job["name"] for job in record["jobs"]}
+        for run in record["runs"]:
+            if run["name"] not in jobs:  # every run is a job of its own name (plan.py)
+                raise ConfigError(f"{path}: run {run['name']!r} has no job of its name in 'jobs'; {rewrite}")
+
+    def _no_digest(self) -> str:
+        return (
+            f"{self.path('sweep.json')} has no 'digest', so which spec made this sweep cannot be told; "
+            "restore the file, or start the sweep in another --dir (nothing was changed)"
+        )
+
+    def _job_config(self, name: str) -> Any:
+        path = self.path("jobs", f"{name}.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                return config_from_dict(json.load(f))
+        except FileNotFoundError:
+            raise ConfigError(
+                f"{path} is missing; run the sweep's spec again (fbt-sweep run SPEC --dir={self.directory}) "
+                "to write every job's config anew"
+            ) from None
+        except (OSError, ValueError, TypeError, AttributeError) as err:
+            raise ConfigError(
+                f"{path} cannot be read as a job's config ({describe(err)}); run the sweep's spec again "
+                f"(fbt-sweep run SPEC --dir={self.directory}) to write it anew"
+            ) from None
 
     def record_exit(self, name: str, code: int, seconds: float) -> None:
         """A job's exit code (`logs/<name>.exit`), and its attempt's wall time (`.attempts`)."""
