@@ -100,9 +100,13 @@ def describe(metrics: Mapping[str, float]) -> str:
     )
 
 
-def warning(metrics: Mapping[str, float], step: int) -> str | None:
-    """The warning a run logs when the feedback map does not contract, else None."""
-    if "contracting" not in metrics or metrics["contracting"]:
+def warning(metrics: Mapping[str, float], step: int, feedback_trained: bool) -> str | None:
+    """The warning a run logs when the feedback map it trained does not contract, else None.
+
+    Before any step has trained a feedback pass (K ≥ 2; `feedback_trained` False) the map is its
+    initialisation: whatever the monitor measures then says nothing about training, so no warning.
+    """
+    if not feedback_trained or "contracting" not in metrics or metrics["contracting"]:
         return None
     return (
         f"warning: at step {step} the feedback map is not contracting ({describe(metrics)}); "

@@ -95,6 +95,20 @@ class PassSchedule:
                 return k
         return mixture[-1][0]  # u within rounding of 1.0
 
+    def first_feedback_step(self, total_steps: int) -> int | None:
+        """The first step (counted from 0) that trains a feedback pass (K ≥ 2), or None when no
+        step before `total_steps` does. Until it has run, the feedback map is its initialisation,
+        so nothing said about it (the contraction monitor's warning) is about training."""
+        for i, phase in enumerate(self.phases):
+            if not any(k >= 2 and p > 0 for k, p in phase.mixture):
+                continue
+            end = min(self.phases[i + 1].start_step if i + 1 < len(self.phases) else total_steps, total_steps)
+            # A phase that can draw K ≥ 2 draws it within a few steps: stop at the first.
+            for step in range(phase.start_step, end):
+                if self.num_passes(step) >= 2:
+                    return step
+        return None
+
     def expected_num_passes(self, total_steps: int) -> float:
         """Mean K over the run: the compute multiplier relative to one-pass training."""
         total = 0.0

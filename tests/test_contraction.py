@@ -10,7 +10,8 @@ from flax import nnx
 from fbt_jax import contraction
 from fbt_jax.layers import default_positions
 from fbt_jax.model import build_model
-from fbt_jax.train.hooks import ContractionMonitor
+from fbt_jax.schedule import DEFAULT_SCHEDULE, PassSchedule
+from fbt_jax.train.hooks import ContractionMonitor, Evaluator
 from fbt_jax.train.loop import StepEnd
 from fbt_jax.train.step import contraction_step, eval_step
 
@@ -42,15 +43,17 @@ def test_a_geometrically_contracting_map_gives_its_rate_and_is_contracting(rate)
     out = measured(geometric_states(rate, 8), 4, 7)
     assert out["contraction_rate"] == pytest.approx(rate, rel=2e-2)
     assert out["contracting"] == 1.0
-    assert contraction.warning(out, step=10) is None
+    assert contraction.warning(out, step=10, feedback_trained=True) is None
 
 
 def test_a_growing_change_is_not_contracting_and_warns():
     out = measured(geometric_states(1.2, 8, fuse_from=2), 4, 7, fuse_from=2)
     assert out["contraction_rate"] == pytest.approx(1.2, rel=2e-2)
     assert out["contracting"] == 0.0
-    message = contraction.warning(out, step=10)
+    message = contraction.warning(out, step=10, feedback_trained=True)
     assert message.startswith("warning: at step 10 the feedback map is not contracting (passes 4–7")
+    # Before any step trained a feedback pass the map is its initialisation: nothing to warn of.
+    assert contraction.warning(out, step=10, feedback_trained=False) is None
 
 
 def test_unrelated_successive_states_are_not_contracting_even_when_the_rate_dips_below_one():
@@ -104,7 +107,7 @@ def test_the_training_hook_adds_the_monitor_to_the_record_and_warns_when_not_con
         ]
     )
     logged = []
-    monitor = ContractionMonitor(lambda state: next(readings), every_steps=100, log=logged.append)
+    monitor = ContractionMonitor(lambda state: next(readings), every_steps=100, log=logged.append, feedback_from=150)
     assert not monitor.wants(StepEnd(step=50, num_passes=1, last=False, stopping=False))
     assert monitor.wants(StepEnd(step=100, num_passes=1, last=False, stopping=False))
     assert monitor.wants(StepEnd(step=130, num_passes=1, last=True, stopping=False))
@@ -114,3 +117,40 @@ def test_the_training_hook_adds_the_monitor_to_the_record_and_warns_when_not_con
     monitor.on_interval(StepEnd(step=200, num_passes=2, last=False, stopping=False), second, state=None)
     assert second["contracting"] == 0.0
     assert len(logged) == 1 and "at step 200 the feedback map is not contracting" in logged[0]
+
+
+class NoWriter:
+    """A metrics writer that keeps nothing (the hook's eval records are not what is tested)."""
+
+    def write(self, step: int, record: dict, stream: str) -> None:
+        pass
+
+
+def test_no_warning_of_a_map_no_step_has_trained_yet():
+    # The README's first run trains K=1 only until step 2250; its monitor measured the untrained
+    # map at steps 1500 and 2000 and warned of it (issue #58).
+    not_contracting = {"pass_change_K4": 1.3, "pass_change_K5": 1.4, "contraction_rate": 1.08, "contracting": 0.0}
+    logged = []
+    monitor = ContractionMonitor(
+        lambda state: dict(not_contracting), every_steps=500, log=logged.append, feedback_from=2250
+    )
+    evaluator = Evaluator(lambda state: dict(not_contracting), NoWriter(), 500, logged.append, feedback_from=2250)
+    for hook in (monitor, evaluator):
+        for step in (1500, 2000, 2250):  # step 2250 has run steps 0..2249: still no feedback pass
+            hook.on_interval(StepEnd(step=step, num_passes=1, last=False, stopping=False), {}, state=None)
+    assert logged == []
+    monitor.on_interval(StepEnd(step=2251, num_passes=2, last=False, stopping=False), {}, state=None)
+    assert len(logged) == 1 and "at step 2251 the feedback map is not contracting" in logged[0]
+    never = ContractionMonitor(lambda state: dict(not_contracting), 500, logged.append, feedback_from=None)
+    never.on_interval(StepEnd(step=3000, num_passes=1, last=True, stopping=False), {}, state=None)
+    assert len(logged) == 1  # a K=1-only schedule never trains the map
+
+
+def test_the_first_feedback_step_is_the_first_step_the_schedule_draws_k_of_two_or_more():
+    tiny = PassSchedule.parse(DEFAULT_SCHEDULE, 3000, seed=0)
+    first = tiny.first_feedback_step(3000)
+    assert first is not None and first >= 2250 and tiny.num_passes(first) >= 2
+    assert all(tiny.num_passes(step) == 1 for step in range(first))
+    assert tiny.first_feedback_step(2250) is None  # a run that stops before the K ≥ 2 phase
+    assert PassSchedule.parse("0.0:1=1.0", 3000, seed=0).first_feedback_step(3000) is None
+    assert PassSchedule.parse("0.0:1=0.5,2=0.5", 3000, seed=0).first_feedback_step(3000) < 20

@@ -159,6 +159,12 @@ class CheckpointSaver(Hook):
         self.checkpointer.close()
 
 
+def trained_feedback(feedback_from: int | None, end: StepEnd) -> bool:
+    """Whether the steps run so far include one that trained a feedback pass (K ≥ 2), given the
+    first such step of the schedule (`PassSchedule.first_feedback_step`)."""
+    return feedback_from is not None and end.step > feedback_from
+
+
 class Evaluator(Hook):
     """Held-out evaluation every `eval.every_steps` and at the last step (not counted in tokens/s)."""
 
@@ -169,9 +175,11 @@ class Evaluator(Hook):
         evaluate: Callable[[TrainState], dict[str, float]],
         writer: MetricsWriter,
         every_steps: int,
-        log: Callable[[str], None] = print,
+        log: Callable[[str], None],
+        feedback_from: int | None,
     ):
         self.evaluate, self.writer, self.every_steps, self.log = evaluate, writer, every_steps, log
+        self.feedback_from = feedback_from  # the first step that trains a feedback pass (None: none)
         self.results: dict[str, float] = {}
 
     def wants(self, end: StepEnd) -> bool:
@@ -181,7 +189,7 @@ class Evaluator(Hook):
         if self.wants(end):
             self.results = self.evaluate(state)
             self.writer.write(end.step, self.results, stream="eval")
-            warning = contraction.warning(self.results, end.step)
+            warning = contraction.warning(self.results, end.step, trained_feedback(self.feedback_from, end))
             if warning:
                 self.log(warning)
 
@@ -194,8 +202,15 @@ class ContractionMonitor(Hook):
     reads_metrics = True
     counts_as_training = False
 
-    def __init__(self, measure: Callable[[TrainState], dict[str, float]], every_steps: int, log: Callable[[str], None]):
+    def __init__(
+        self,
+        measure: Callable[[TrainState], dict[str, float]],
+        every_steps: int,
+        log: Callable[[str], None],
+        feedback_from: int | None,
+    ):
         self.measure, self.every_steps, self.log = measure, every_steps, log
+        self.feedback_from = feedback_from  # the first step that trains a feedback pass (None: none)
 
     def measures(self, end: StepEnd) -> bool:
         """Whether this step is measured (the logger writes at these steps too)."""
@@ -206,7 +221,7 @@ class ContractionMonitor(Hook):
 
     def on_interval(self, end: StepEnd, record: dict[str, float], state: TrainState) -> None:
         record |= self.measure(state)
-        warning = contraction.warning(record, end.step)
+        warning = contraction.warning(record, end.step, trained_feedback(self.feedback_from, end))
         if warning:
             self.log(warning)
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from fbt_jax import checkpoint, contraction, distributed, paths, run_services, sharding, trained, workdir
 from fbt_jax.data.mixture import Mixture
-from fbt_jax.data.pipeline import StepBatches, batch_iterator, make_source
+from fbt_jax.data.pipeline import StepBatches, batch_iterator, make_source, validation_readers
 from fbt_jax.data.plan import DataPlan, plan_data
 from fbt_jax.errors import CheckpointError, ConfigError
 from fbt_jax.flops import train_step_flops
@@ -46,7 +46,7 @@ class Trainer:
         self.sources = {"train": make_source(self.data, "train")}
         e = config.eval
         if e.num_batches > 0 or (e.contraction_passes and e.contraction_every_steps):  # eval or the monitor
-            self.sources["validation"] = make_source(self.data, "validation")
+            self.sources["validation"] = make_source(self.data, "validation", validation_readers(e))
         data_vocab = self.sources["train"].vocab_size
         if data_vocab > config.model.vocab_size:  # prepared data is known only now
             raise ConfigError(
@@ -217,7 +217,7 @@ class Trainer:
         # Only the Ks this run still draws: a sweep's K = 1 trunk compiles one train program.
         compile_report = self.compile(tuple(sorted({self.schedule.num_passes(s) for s in range(start_step, steps)})))
         ledger.add("compile", sum(report["compile_seconds"] for report in compile_report.values()))
-        writer = MetricsWriter.for_run(cfg, run_dir.local, resume_step=start_step)
+        writer = MetricsWriter.for_run(cfg, run_dir.local, start_step, self.log)
         saver = None
         if checkpointer is not None:  # also at the harness's steps: an evaluation that fails then costs nothing
             also_at = functools.partial(harness_hook.measures, self.harness) if self.harness else None
@@ -226,9 +226,12 @@ class Trainer:
         if self.harness is not None:  # acts after the saver, once the step's checkpoint has landed
             harness = harness_hook.HarnessEvaluator(cfg, self.harness, self.programs.graphdef, writer, saver,
                                                     lambda: bool(saver and preemption.requested), self.log)  # fmt: skip
+        feedback_from = self.schedule.first_feedback_step(steps)  # until then the monitor warns of nothing
         monitor = None
         if self.programs.contraction is not None:
-            monitor = hooks.ContractionMonitor(self.monitor_contraction, cfg.eval.contraction_every_steps, self.log)
+            monitor = hooks.ContractionMonitor(
+                self.monitor_contraction, cfg.eval.contraction_every_steps, self.log, feedback_from
+            )
         # The logger also writes at every step that saves (after its finiteness check) or is measured.
         also_at = [saver.saves] if saver else []
         also_at += [monitor.measures] if monitor else []
@@ -261,7 +264,7 @@ class Trainer:
         ]
         evaluator = None
         if self.programs.eval is not None:
-            evaluator = hooks.Evaluator(self.evaluate, writer, cfg.eval.every_steps, self.log)
+            evaluator = hooks.Evaluator(self.evaluate, writer, cfg.eval.every_steps, self.log, feedback_from)
             run_hooks.append(goodput.Timed(evaluator, ledger, "eval"))
         if harness:
             run_hooks.append(goodput.Timed(harness, ledger, "eval"))
