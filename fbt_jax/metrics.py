@@ -28,6 +28,7 @@ import json
 import math
 import os
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -56,7 +57,7 @@ def check_metrics_config(config: Any) -> None:
 
 
 class MetricsWriter:
-    def __init__(self, workdir: str, resume_step: int = 0):
+    def __init__(self, workdir: str, resume_step: int = 0, log: Callable[[str], None] = print):
         self.enabled = jax.process_index() == 0
         self.paths = {stream: os.path.join(workdir, name) for stream, name in STREAM_FILES.items()}
         self.tensorboard_dir = os.path.join(workdir, TENSORBOARD_DIR)
@@ -70,7 +71,7 @@ class MetricsWriter:
 
             os.makedirs(workdir, exist_ok=True)
             for path in self.paths.values():
-                _truncate_after(path, resume_step)
+                _truncate_after(path, resume_step, log)
             self._files = {stream: open(path, "a", encoding="utf-8") for stream, path in self.paths.items()}
             # purge_step drops TensorBoard events a killed run logged after the checkpoint it resumes.
             self._tb = SummaryWriter(
@@ -78,11 +79,13 @@ class MetricsWriter:
             )
 
     @classmethod
-    def for_run(cls, config: Any, workdir: str, resume_step: int = 0) -> MetricsWriter:
+    def for_run(
+        cls, config: Any, workdir: str, resume_step: int = 0, log: Callable[[str], None] = print
+    ) -> MetricsWriter:
         """The writer of a training run, with the sinks its config asks for (`metrics.*`):
         `workdir` is the run's local directory, `resume_step` the step it resumes from (0: a new
-        run, also for wandb)."""
-        writer = cls(workdir, resume_step=resume_step)
+        run, also for wandb); `log` hears of a torn line dropped from a log (`read_log`)."""
+        writer = cls(workdir, resume_step=resume_step, log=log)
         if writer.enabled and config.metrics.wandb:
             try:
                 writer._wandb = start_wandb_run(config, workdir, resume_step)
@@ -179,14 +182,43 @@ def _read_run_id(path: str) -> str | None:
         return f.read().strip() or None
 
 
-def _truncate_after(path: str, step: int) -> None:
-    """Keep the lines of steps <= `step`: a resumed run rewrites what came after its checkpoint."""
+def read_log(path: str, log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """The records of a JSON-lines log that a run appends to (metrics.jsonl, eval.jsonl); none when
+    it does not exist.
+
+    A write cut short (a kill, a full disk) leaves a torn line: a prefix of a record, which is never
+    JSON. It is dropped rather than stopping every later resume until a user edits the file, and
+    `log` (when given) is told in one line; the records around it are kept.
+    """
+    if not os.path.exists(path):
+        return []
+    records, torn = [], []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = None
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                records.append(record)
+            else:
+                torn.append(number)
+    if torn and log:
+        where = f"line {torn[0]}" if len(torn) == 1 else f"lines {', '.join(map(str, torn))}"
+        log(f"{path}: dropped {where}, not a whole record (a write cut short by a kill or a full disk)")
+    return records
+
+
+def _truncate_after(path: str, step: int, log: Callable[[str], None]) -> None:
+    """Keep the records of steps <= `step`: a resumed run rewrites what came after its checkpoint
+    (and drops a torn line, which would otherwise have a new record appended to it)."""
     if not os.path.exists(path):
         return
-    with open(path, encoding="utf-8") as f:
-        lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    kept = [record for record in read_log(path, log) if record["step"] <= step]
     with open(path, "w", encoding="utf-8") as f:
-        f.writelines(lines)
+        f.writelines(json.dumps(record) + "\n" for record in kept)
 
 
 def _plain(value: Any) -> Any:

@@ -247,6 +247,15 @@ def read_jsonl(workdir: str, name: str = "metrics.jsonl") -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def tear_last_line(path) -> str:
+    """Append what a write cut short by a kill or a full disk leaves: the first half of a record,
+    no newline. Returns the torn text."""
+    with open(path, "a", encoding="utf-8") as f:
+        torn = json.dumps({"step": 10**6, "loss": 0.123456789})[:17]
+        f.write(torn)
+    return torn
+
+
 def losses(workdir):
     return {r["step"]: r["loss"] for r in read_jsonl(workdir)}
 

@@ -11,7 +11,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import HARNESS_TASKS, ROOT, cpu_env, last_line, read_jsonl, run_command, start_command
+from conftest import HARNESS_TASKS, ROOT, cpu_env, last_line, read_jsonl, run_command, start_command, tear_last_line
 
 from fbt_jax.config import default_config
 from fbt_jax.errors import ConfigError
@@ -96,9 +96,14 @@ def test_the_last_step_is_saved_before_its_evaluation_which_a_rerun_does_alone(t
     assert last_line(stderr).startswith("fbt-train: preempted: stopped on request during the lm-evaluation")
     assert not harness_records(workdir)
 
+    # A torn last line in each log (a kill or a full disk mid-write) is dropped, not a traceback.
+    for log in ("metrics.jsonl", "eval.jsonl"):
+        tear_last_line(workdir / log)
     done = run_command(argv, env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"resuming from checkpoint {workdir}/checkpoints/{STEPS}" in done.stdout
+    for log in ("metrics.jsonl", "eval.jsonl"):
+        assert f"{workdir / log}: dropped line" in done.stdout, done.stdout
     assert "compiled train step" not in done.stdout  # nothing trained: the evaluation only
     records = harness_records(workdir)
     assert list(records) == [STEPS] and records[STEPS]["harness/tiny_mc/acc/standard"] >= 0

@@ -18,8 +18,6 @@ the schedule they are skipped, with a line saying so once.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +27,7 @@ from flax import nnx
 from fbt_jax.data.plan import DataPlan
 from fbt_jax.errors import ConfigError, EvaluationFailed, Preempted, describe
 from fbt_jax.evals.harness_tasks import HarnessSettings
+from fbt_jax.metrics import read_log
 from fbt_jax.train.loop import Hook, StepEnd
 from fbt_jax.train.step import TrainState
 
@@ -179,7 +178,4 @@ class HarnessEvaluator(Hook):
 
 def done_at(eval_log: str, step: int) -> bool:
     """Whether eval.jsonl holds the hook's record for `step`."""
-    if not os.path.exists(eval_log):
-        return False
-    with open(eval_log, encoding="utf-8") as f:
-        return any(DONE_KEY in r and r["step"] == step for r in map(json.loads, filter(str.strip, f)))
+    return any(DONE_KEY in r and r["step"] == step for r in read_log(eval_log))
