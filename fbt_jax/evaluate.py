@@ -234,7 +234,7 @@ def evaluate(
             f"--max-depth={depths} exceeds twice the evaluation length {seq_len}: from pass {seq_len} on the states "
             f"are exact and stop changing; use --max-depth <= {2 * seq_len} or a longer --seq-len"
         )
-    source = make_source(data, "validation")
+    source = make_source(data, "validation", "fbt-eval")
     if len(source) < batch_size:
         log(f"the validation split has {len(source)} examples; evaluating on all of them")
         batch_size = len(source)

@@ -132,6 +132,12 @@ def copy_run(tmp: str, shared: Shared) -> None:
     shutil.copytree(shared["run"], os.path.join(tmp, "copy"))
 
 
+def prepared_without_validation(tmp: str, shared: Shared) -> None:
+    argv = ["fbt-prepare", f"--input={shared['corpus']}/*.txt", f"--output={tmp}/noval", "--seq-len=16"]
+    result = run([*argv, "--validation-fraction=0"], environment())
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 def copy_prepared(tmp: str, shared: Shared) -> str:
     target = os.path.join(tmp, "data")
     shutil.copytree(shared["prep"], target)
@@ -462,6 +468,15 @@ CASES = [
         [*NEW, "--config.data.source=text", "--config.data.path={prep}"],
         2,
         r"vocab_size=6 is smaller than the data's vocabulary \(257 tokens for the prepared data",
+    ),
+    case(
+        # Nothing held out and no eval batches: the contraction monitor still reads the split (issue #58).
+        "train-prepared-no-validation-split-for-the-monitor",
+        [*TEXT, "--config.data.path={tmp}/noval", "--config.eval.num_batches=0"],
+        2,
+        r"validation split in .*noval is empty, and the contraction monitor \(eval.contraction_passes=4; 0 turns it "
+        r"off\) reads it; prepare the data again with fbt-prepare --validation-fraction above 0, or turn off",
+        setup=prepared_without_validation,
     ),
     case("train-prepared-no-meta", [*TEXT, "--config.data.path={dir}"], 2, r"no meta.json\); run fbt-prepare"),
     prepared_case(

@@ -71,26 +71,44 @@ def _preparation(plan: DataPlan) -> dict[str, Any]:
     return tfds_plan(name, data_dir, text_key, splits, plan.tokenizer_spec, plan.seq_len, "data.tokenizer")
 
 
-def make_source(plan: DataPlan, split: str) -> TaskSplit | records.PackedRecords | Mixture:
-    """The random-access example source for `split` ("train" or "validation")."""
+def make_source(plan: DataPlan, split: str, readers: str = "") -> TaskSplit | records.PackedRecords | Mixture:
+    """The random-access example source for `split` ("train" or "validation"); `readers` says what
+    reads a validation split and the setting that turns it off (`validation_readers`), for the
+    error that an empty one gets."""
     if plan.source == "task":
         return TaskSplit(plan.task, split)
     if plan.source == "mixture":
-        sources = [_records(plan, split, dataset) for dataset in plan.datasets]
+        sources = [_records(plan, split, dataset, readers) for dataset in plan.datasets]
         return Mixture([d.name for d in plan.datasets], sources, [d.weight for d in plan.datasets], plan.seed)
-    return _records(plan, split, plan.datasets[0] if plan.datasets else Dataset(plan.tfds[0], ""))
+    return _records(plan, split, plan.datasets[0] if plan.datasets else Dataset(plan.tfds[0], ""), readers)
 
 
-def _records(plan: DataPlan, split: str, dataset: Dataset) -> records.PackedRecords:
+def validation_readers(eval_config: Any) -> str:
+    """What in a training run reads the validation split, each with the setting that turns it off."""
+    e, readers = eval_config, []
+    if e.num_batches > 0:
+        readers.append(f"the held-out eval (eval.num_batches={e.num_batches}; 0 turns it off)")
+    if e.contraction_passes and e.contraction_every_steps:
+        readers.append(f"the contraction monitor (eval.contraction_passes={e.contraction_passes}; 0 turns it off)")
+    return " and ".join(readers)
+
+
+def _records(plan: DataPlan, split: str, dataset: Dataset, readers: str = "") -> records.PackedRecords:
     source = records.PackedRecords(prepared_dir(plan, dataset), split)
     if source.seq_len != plan.seq_len:
         raise ConfigError(
             f"the prepared data in {source.directory} has seq_len {source.seq_len} but data.seq_len={plan.seq_len}; "
             "prepare it again with this length or set data.seq_len to match"
         )
+    if len(source) == 0 and split == "train":
+        raise ConfigError(
+            f"the prepared train split in {source.directory} is empty; use more data or a smaller validation fraction"
+        )
     if len(source) == 0:
         raise ConfigError(
-            f"the prepared {split} split in {source.directory} is empty; use more data or a smaller validation fraction"
+            f"the prepared validation split in {source.directory} is empty, and {readers or 'this command'} reads it; "
+            "prepare the data again with fbt-prepare --validation-fraction above 0"
+            + (", or turn off what reads it" if readers else "")
         )
     return source
 
