@@ -185,20 +185,15 @@ def check_shapes(spec: dict[str, Any], path: str) -> None:
             f'{where}: "base" must be the path of the run config file, relative to the spec, '
             f'not {_shown(spec["base"])}; e.g. "base": "../tiny.py"'
         )
-    overrides = spec.get("overrides")
-    if overrides is not None and not isinstance(overrides, dict):
-        raise ConfigError(
-            f'{where}: "overrides" must be a dict {{field: value}}, not {_shown(overrides)}; '
-            'e.g. "overrides": {"train.steps": 2000}'
-        )
-    _check_field_names(overrides or {}, "overrides", where)
+    for field, shape, example in (
+        ("overrides", "a dict {field: value}", '"overrides": {"train.steps": 2000}'),
+        ("grid", "a dict {field: [values]} or {field: {label: value}}", '"grid": {"optimizer.learning_rate": [0.001]}'),
+    ):
+        given = spec.get(field)
+        if given is not None and not isinstance(given, dict):
+            raise ConfigError(f'{where}: "{field}" must be {shape}, not {_shown(given)}; e.g. {example}')
+        _check_field_names(given or {}, field, where)
     grid = spec.get("grid")
-    if grid is not None and not isinstance(grid, dict):
-        raise ConfigError(
-            f'{where}: "grid" must be a dict {{field: [values]}} or {{field: {{label: value}}}}, not {_shown(grid)}; '
-            'e.g. "grid": {"optimizer.learning_rate": [0.001, 0.003]}'
-        )
-    _check_field_names(grid or {}, "grid", where)
     for field, values in (grid or {}).items():
         if not isinstance(values, (*SEQUENCES, dict)):
             raise ConfigError(
