@@ -76,6 +76,7 @@ def default_config() -> ml_collections.ConfigDict:
     # by the run's hosts), else the user cache directory (shared by every run on this machine); "" = off.
     c.train.compilation_cache_dir = "auto"
     c.train.profile_steps = ""  # "START:END": a jax.profiler trace of steps START..END in <workdir>/profile
+    c.train.profile_python = False  # also trace Python function calls (jax's Python tracer) in that window
 
     # Metric sinks besides metrics.jsonl and TensorBoard (process 0 only).
     c.metrics = ml_collections.ConfigDict()

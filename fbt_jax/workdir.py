@@ -40,6 +40,7 @@ NEUTRAL_PREFIXES = (
     "train.peak_flops_per_device",
     "train.compilation_cache_dir",
     "train.profile_steps",
+    "train.profile_python",
     "metrics.",
     "train.stop_at_step",
     "eval.",

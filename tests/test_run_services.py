@@ -8,12 +8,16 @@ import json
 import os
 import time
 
+import jax
+import ml_collections
 import pytest
 from conftest import cpu_env, run_command, train_argv
 
 from fbt_jax.errors import ConfigError
 from fbt_jax.run_services import parse_profile_steps
 from fbt_jax.train import goodput
+from fbt_jax.train.hooks import Profiler
+from fbt_jax.train.loop import StepEnd
 
 
 def test_ledger_accounts_each_attempt_and_recomputed_steps_pro_rata(tmp_path):
@@ -56,6 +60,36 @@ def test_a_bad_profile_window_is_refused(value):
         parse_profile_steps(value, 10)
 
 
+class RecordingSaver:
+    """Stands for the checkpoint hook: records when the profiler lets its save land."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def settle(self) -> None:
+        self.calls.append("save landed")
+
+
+@pytest.mark.parametrize("profile_python", [False, True])
+def test_the_trace_stops_after_the_windows_save_has_landed_and_traces_python_only_on_request(
+    monkeypatch, tmp_path, profile_python
+):
+    # Stopping jax's profiler while checkpoint threads started or ended crashed runs (SIGSEGV in
+    # stop_trace, issue #58): the window's save lands first, and Python is traced only on request.
+    calls = []
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda d, **kw: calls.append(kw["profiler_options"]))
+    monkeypatch.setattr(jax.profiler, "stop_trace", lambda: calls.append("trace stopped"))
+    train = ml_collections.ConfigDict({"profile_steps": "3:4", "steps": 6, "profile_python": profile_python})
+    profiler = Profiler(train, str(tmp_path), start_step=0, log=lambda line: None, saver=RecordingSaver(calls))
+    profiler.on_step(StepEnd(step=2, num_passes=1, last=False, stopping=False))
+    assert calls[0].python_tracer_level == int(profile_python) and calls[0].host_tracer_level == 2
+    assert not profiler.wants(StepEnd(step=3, num_passes=1, last=False, stopping=False))
+    end = StepEnd(step=4, num_passes=1, last=False, stopping=False)
+    assert profiler.wants(end)
+    profiler.on_interval(end, {}, state=None)
+    assert calls[1:] == ["save landed", "trace stopped"]
+
+
 @pytest.mark.slow
 def test_profile_window_traces_its_steps_and_a_resume_past_it_traces_nothing(tmp_path):
     # In its own process: a profiler session in the test process would outlive the run's threads.
@@ -69,6 +103,7 @@ def test_profile_window_traces_its_steps_and_a_resume_past_it_traces_nothing(tmp
         events = json.load(f)["traceEvents"]
     steps = [e for e in events if e.get("name") == "PjitFunction(jit(train_step))"]
     assert 2 <= len(steps) <= 4, len(steps)  # the window's two steps (a dispatch may show as two nested events)
+    assert not [e for e in events if str(e.get("name")).startswith("$")]  # no Python tracer unless asked for
     assert "profile: tracing steps 3–4" in result.stdout
     with open(os.path.join(workdir, "summary.json")) as f:
         time_summary = json.load(f)["goodput"]

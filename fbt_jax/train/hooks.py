@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from fbt_jax import checkpoint, contraction, workdir
+from fbt_jax import checkpoint, contraction, run_services, workdir
 from fbt_jax import progress as shown_progress
 from fbt_jax.errors import Preempted
 from fbt_jax.metrics import MetricsWriter
@@ -154,6 +154,12 @@ class CheckpointSaver(Hook):
                 "run the same command again to resume"
             )
 
+    def settle(self) -> None:
+        """Wait for the save in flight to land, so that no checkpoint thread starts or ends during
+        what comes next (the profiler's stop); CheckpointError if it failed, as the next step's
+        check would raise."""
+        self.checkpointer.wait()
+
     def close(self, failed: bool) -> None:
         finish(self.checkpointer.wait, failed, self.log)  # a save in flight must land before exit
         self.checkpointer.close()
@@ -277,11 +283,23 @@ def finish(cleanup: Callable[[], Any], failed: bool, log: Any) -> None:
 class Profiler(Hook):
     """Traces steps START..END with `jax.profiler` into `directory` (TensorBoard's profile plugin
     reads it; `perfetto_trace.json.gz` opens in ui.perfetto.dev). The trace starts once step
-    START-1 has been dispatched and stops when step END's results are ready."""
+    START-1 has been dispatched and stops when step END's results are ready.
 
-    def __init__(self, window: tuple[int, int], directory: str, start_step: int, log: Any):
+    The trace stops with no thread of the run starting or ending: `settle` first waits for what a
+    step leaves running (the checkpointer's asynchronous save, whose threads end when it lands).
+    jax's Python tracer (`trace_python`, off unless asked for) hooks every Python thread, and
+    stopping it while threads come and go crashed runs (SIGSEGV in `stop_trace`, issue #58); the
+    device and runtime events (each step's `PjitFunction`, its kernels) need no Python tracer.
+    """
+
+    def __init__(self, train: Any, directory: str, start_step: int, log: Any, saver: CheckpointSaver | None = None):
+        """`train` is the run's `config.train` (`profile_steps` set), `saver` its checkpoint hook."""
+        window = run_services.parse_profile_steps(train.profile_steps, train.steps)
+        assert window, "a Profiler needs train.profile_steps"
         self.first, self.last = window
-        self.directory, self.log = directory, log
+        self.directory, self.log, self.saver = directory, log, saver
+        self.options = jax.profiler.ProfileOptions()
+        self.options.python_tracer_level = 1 if train.profile_python else 0
         self.tracing = False
         if start_step >= self.last:
             log(f"profile: steps {self.first}–{self.last} ran before this run resumed at step {start_step}; not traced")
@@ -290,7 +308,7 @@ class Profiler(Hook):
 
     def _start(self, step: int) -> None:
         os.makedirs(self.directory, exist_ok=True)
-        jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+        jax.profiler.start_trace(self.directory, create_perfetto_trace=True, profiler_options=self.options)
         self.tracing = True
         self.log(f"profile: tracing steps {step}–{self.last} into {self.directory}")
 
@@ -306,10 +324,12 @@ class Profiler(Hook):
         self._stop()
 
     def _stop(self) -> None:
+        if self.saver:
+            self.saver.settle()
         jax.profiler.stop_trace()
         self.tracing = False
         self.log(f"profile: trace written to {self.directory} (tensorboard --logdir {self.directory}, or Perfetto)")
 
     def close(self, failed: bool) -> None:
         if self.tracing:  # the run stopped inside the window: keep what was traced
-            self._stop()
+            finish(self._stop, failed, self.log)

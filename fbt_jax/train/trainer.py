@@ -268,9 +268,8 @@ class Trainer:
             run_hooks.append(goodput.Timed(evaluator, ledger, "eval"))
         if harness:
             run_hooks.append(goodput.Timed(harness, ledger, "eval"))
-        window = run_services.parse_profile_steps(cfg.train.profile_steps, cfg.train.steps)
-        if window:
-            run_hooks.append(hooks.Profiler(window, run_dir.path("profile"), start_step, self.log))
+        if str(cfg.train.profile_steps).strip():  # after the saver: its save lands before the trace stops
+            run_hooks.append(hooks.Profiler(cfg.train, run_dir.path("profile"), start_step, self.log, saver))
         d = self.data
         local_batches = batch_iterator(self.step_batches("train", batch_size), start_step, d.num_workers, d.prefetch)
         global_batches = ledger.batches(self.to_global(rows, batch_size) for rows in local_batches)
