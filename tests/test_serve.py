@@ -1,12 +1,15 @@
 """fbt-serve (`fbt_jax/serve`): the decode pool's answers equal `decode.generate`'s (fbt-decode's
 path) whatever else shares the batch, the official openai client gets them in the three modes
-(streamed or not), logprobs with echo equal a plain forward, chat follows the tokenizer's template,
-bad requests get one-line 400s and the server stays up, a full queue answers 429, a failing request
-fails alone, and the command serves a trained run, drains on SIGTERM and exits 0.
+(streamed or not, a stream's chunks adding up to the answer), logprobs with echo equal a plain
+forward, chat follows the tokenizer's template, bad requests get one-line errors in OpenAI's shape
+and the server stays up, a full queue answers 429 and a request that can never fit 400, a failing
+request fails alone, a client that goes away frees its slots, /metrics counts all of it, and the
+command serves a trained run, drains on SIGTERM and exits 0.
 
 Most tests share one in-process server on a small random model (its programs compiled once)."""
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -193,6 +196,24 @@ def test_echo_logprobs_are_a_plain_forwards(client, pool):
     assert lp.tokens[:10] == [str(t) for t in prompt] and out.choices[0].text.startswith(" ".join(map(str, prompt)))
 
 
+def test_a_streamed_echo_with_logprobs_adds_up_to_the_unstreamed_answer(client):
+    """echo + logprobs streamed, in standard and fused mode, scoring only (max_tokens 0) or generating
+    too: the chunks' texts, tokens, log-probabilities, alternatives and text offsets, concatenated, are
+    the unstreamed answer's (the prompt once, offsets into the whole text, not restarting per chunk)."""
+    prompt = " ".join(map(str, prompt_of(10, salt=3)))
+    for model in ("tiny", "tiny:fused"):
+        for max_tokens in (0, 6):
+            ask = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, echo=True, logprobs=2)
+            whole = client.completions.create(**ask).choices[0]
+            chunks = [c.choices[0] for c in client.completions.create(**ask, stream=True) if c.choices]
+            assert "".join(c.text for c in chunks) == whole.text, (model, max_tokens)
+            assert whole.text.startswith(prompt) and whole.text.count(prompt) == 1
+            for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                streamed = [x for c in chunks if c.logprobs for x in getattr(c.logprobs, field)]
+                assert streamed == getattr(whole.logprobs, field), (model, max_tokens, field)
+            assert len(whole.logprobs.tokens) == 10 + max_tokens and chunks[-1].finish_reason == "length"
+
+
 def test_stop_strings_end_a_completion(client, pool):
     """A stop string ends the choice before it (finish_reason "stop"), streamed or not."""
     prompt = prompt_of(5)
@@ -210,7 +231,6 @@ def test_stop_strings_end_a_completion(client, pool):
 BAD = [
     ("not json", "not valid JSON"),
     ({"model": "tiny"}, "no 'prompt'"),
-    ({"model": "nope", "prompt": "1"}, "'nope' is not served here"),
     ({"model": "tiny", "prompt": "1 2", "max_tokens": 0}, "max_tokens=0 must be at least 1"),
     ({"model": "tiny", "prompt": "1 2", "max_tokens": 23}, "exceeds the context of 24 tokens"),
     ({"model": "tiny", "prompt": " ".join(["1"] * 25)}, "does not fit the context of 24"),
@@ -218,7 +238,9 @@ BAD = [
     ({"model": "tiny", "prompt": "a b"}, "not space-separated token ids"),
     ({"model": "tiny", "prompt": "1", "temperature": -1}, "temperature=-1"),
     ({"model": "tiny", "prompt": "1", "logit_bias": {}}, "'logit_bias' is not a field this server takes"),
-    ({"model": "tiny", "prompt": "1", "presence_penalty": 1}, "presence_penalty is not supported"),
+    ({"model": "tiny", "prompt": "1", "presence_penalty": 1}, "presence_penalty=1: penalties are not supported"),
+    ({"model": "tiny", "prompt": "1", "n": 0}, "n=0"),
+    ("", "the request has no body"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, "no chat template"),
 ]
 
@@ -234,10 +256,93 @@ def test_a_bad_request_gets_one_line_400_and_the_server_stays_up(base_url, body,
     assert httpx.get(base_url + "/health").json() == {"status": "ok"}
 
 
+def error_of(response: httpx.Response, status: int) -> dict:
+    """The error a refusal carries, checked to be OpenAI's shape (what every client parses) in one line."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert "\n" not in body["error"]["message"]
+    return body["error"]
+
+
+@pytest.mark.parametrize("field,value", [("best_of", 3), ("suffix", "x"), ("presence_penalty", 0.5),
+                                         ("frequency_penalty", -1)])  # fmt: skip
+def test_a_refused_field_is_named_in_its_error(base_url, field, value):
+    """A field the server does not take at that value: the message and `param` name it."""
+    response = httpx.post(base_url + "/v1/completions", json={"model": "tiny", "prompt": "1", field: value})
+    error = error_of(response, 400)
+    assert error["param"] == field and error["message"].startswith(f"{field}="), error
+    assert "JSON object" not in error["message"]
+
+
+def test_null_optional_fields_take_their_defaults(base_url):
+    """Explicit JSON null for any optional field OpenAI documents as nullable means its default."""
+    nulls = dict.fromkeys(["max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
+                           "user", "presence_penalty", "frequency_penalty", "logprobs", "echo", "best_of", "suffix",
+                           "logit_bias"])  # fmt: skip
+    response = httpx.post(base_url + "/v1/completions", json={"model": "tiny:soft", "prompt": "1 2", **nulls})
+    assert response.status_code == 200, response.text
+    (choice,) = response.json()["choices"]
+    assert response.json()["usage"]["completion_tokens"] == 16 and choice["logprobs"] is None
+    assert len(choice["text"].split()) == 16  # echo: false
+
+
+def test_every_refusal_is_in_openais_shape_and_unknown_models_are_404(base_url, client):
+    """Errors raised outside the handlers (an unknown route, a wrong method, a body that is not JSON
+    or not UTF-8) come in OpenAI's shape, not FastAPI's {"detail": ...}; an unknown model is 404
+    model_not_found (the openai client's NotFoundError), and GET /v1/models/{id} answers ours."""
+    import openai
+
+    assert "is not an endpoint" in error_of(httpx.get(base_url + "/v1/nope"), 404)["message"]
+    wrong = httpx.get(base_url + "/v1/completions")
+    assert "use POST" in error_of(wrong, 405)["message"] and wrong.headers["Allow"] == "POST"
+    for body in (b"{", b"[1]", b"\xff\xfe"):
+        assert error_of(httpx.post(base_url + "/tokenize", content=body), 400)["message"]
+    assert "JSON object" in error_of(httpx.post(base_url + "/v1/completions", content=b"[1]"), 400)["message"]
+    unknown = error_of(httpx.post(base_url + "/v1/completions", json={"model": "nope", "prompt": "1"}), 404)
+    assert unknown["code"] == "model_not_found" and unknown["param"] == "model" and "'nope'" in unknown["message"]
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.completions.create(model="nope", prompt="1", max_tokens=1)
+    assert refused.value.code == "model_not_found"
+    assert client.models.retrieve("tiny:fused").id == "tiny:fused"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("tiny:nope")
+
+
+def test_a_request_that_can_never_fit_is_400_and_one_that_fits_free_slots_enters(served, base_url):
+    """429 means "retry shortly": only for a request that would fit (slots + --max-waiting) but not
+    now. On an idle server a request that fits the free slots enters even with --max-waiting=0; one
+    larger than slots + queue gets a 400 naming n or the prompt count and the limit."""
+    pool, limit = served.pool, served.pool.max_waiting
+    wait_for(lambda: not pool.running() and not pool.waiting, timeout=30)
+    ask = lambda **body: httpx.post(base_url + "/v1/completions", json={"model": "tiny", "max_tokens": 2, **body})
+    try:
+        pool.max_waiting = 0
+        assert ask(prompt=[1, 2]).status_code == 200
+        assert len(ask(prompt=[1, 2], n=SLOTS).json()["choices"]) == SLOTS
+        error = error_of(ask(prompt=[1, 2], n=SLOTS + 1), 400)
+        assert error["param"] == "n" and "n=4" in error["message"] and "--max-waiting=0" in error["message"]
+        pool.max_waiting = 2
+        assert len(ask(prompt=[1, 2], n=SLOTS + 2).json()["choices"]) == SLOTS + 2  # n > --max-waiting, idle
+    finally:
+        pool.max_waiting = limit
+    error = error_of(ask(prompt=[[1, 2]] * 300), 400)
+    assert error["param"] == "prompt" and "300 prompts" in error["message"] and "at most 43" in error["message"]
+
+
 def test_a_full_queue_answers_429_and_metrics_count(served, base_url):
     """With every slot busy and the queue at its limit, a request gets 429 with Retry-After; /metrics
-    reports slots, tokens and first-token times in Prometheus' text format."""
+    reports slots, tokens, first-token times, refusals by status (429 among them), each answered
+    request's latency and each choice's time in the queue, in Prometheus' text format."""
     pool = served.pool
+    sample = lambda name, **labels: pool.metrics.registry.get_sample_value(name, labels) or 0.0
+    refused = lambda status: sample("fbt_requests_refused_total", status=status)
+    before = {status: refused(status) for status in ("400", "404", "405", "429")}
+    answered, queued = sample("fbt_e2e_request_latency_seconds_count"), sample("fbt_request_queue_time_seconds_count")
+    assert httpx.post(base_url + "/v1/completions", json={"model": "tiny", "prompt": [1], "n": 2}).status_code == 200
+    httpx.post(base_url + "/v1/completions", json={"model": "tiny", "prompt": []})
+    httpx.post(base_url + "/v1/completions", json={"model": "nope", "prompt": [1]})
+    httpx.get(base_url + "/v1/completions")
     limit, release = pool.max_waiting, threading.Event()
     hold = [
         Request([1], "soft", 20, lambda e: None, stop_check=lambda ids: release.wait(30) and False)
@@ -250,7 +355,7 @@ def test_a_full_queue_answers_429_and_metrics_count(served, base_url):
         pool.max_waiting = 0
         response = httpx.post(base_url + "/v1/completions", json={"model": "tiny", "prompt": [1, 2], "max_tokens": 2})
         assert response.status_code == 429 and response.headers["Retry-After"] == "1"
-        assert "busy" in response.json()["error"]["message"]
+        assert "busy" in error_of(response, 429)["message"]
     finally:
         release.set()
         for r in hold:
@@ -263,6 +368,11 @@ def test_a_full_queue_answers_429_and_metrics_count(served, base_url):
     assert "fbt_slots 3.0" in text and "fbt_time_to_first_token_seconds_count" in text
     value = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
     assert value["fbt_generated_tokens_total"] > 0 and value["fbt_requests_running"] == 0
+    assert {status: refused(status) - before[status] for status in before} == dict.fromkeys(before, 1.0)
+    assert sample("fbt_e2e_request_latency_seconds_count") == answered + 1
+    assert sample("fbt_request_queue_time_seconds_count") >= queued + 2  # its two choices (and the held ones)
+    for histogram in ("fbt_e2e_request_latency_seconds", "fbt_request_queue_time_seconds"):
+        assert f'{histogram}_bucket{{le="+Inf"}}' in text and f"{histogram}_sum" in text
 
 
 def test_a_failing_request_fails_alone(served, base_url, monkeypatch):
@@ -275,8 +385,11 @@ def test_a_failing_request_fails_alone(served, base_url, monkeypatch):
         return real(prompt, *args)
 
     monkeypatch.setattr(served.pool, "_insert", insert)
+    failures = lambda: served.pool.metrics.registry.get_sample_value("fbt_requests_failed_total", {"status": "500"})
+    before = failures() or 0.0
     failed = httpx.post(base_url + "/v1/completions", json={"model": "tiny", "prompt": [13, 2], "max_tokens": 2})
     assert failed.status_code == 500 and "injected" in failed.json()["error"]["message"]
+    assert failures() == before + 1  # counted in /metrics as failed, not refused
     ok = httpx.post(base_url + "/v1/completions", json={"model": "tiny", "prompt": [12, 2], "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
@@ -324,6 +437,55 @@ def test_chat_completions_follow_the_tokenizers_template(served, client, tmp_pat
                                                  stream=True))  # fmt: skip
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == tokenizer.decode(want)
     assert chunks[0].choices[0].delta.role == "assistant"
+
+
+class Collected(logging.Handler):
+    """The records a logger emits while attached (uvicorn logs an application's tracebacks on
+    `uvicorn.error`, which does not propagate to the root logger that pytest's caplog reads)."""
+
+    def __init__(self, name: str):
+        super().__init__(logging.ERROR)
+        self.logger, self.records = logging.getLogger(name), []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self) -> "Collected":
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self)
+
+
+def test_text_that_is_not_unicode_is_a_400_and_chat_takes_nulls(served, base_url, tmp_path, monkeypatch):
+    """A text run (a tokenizer with a chat template): a lone surrogate in a prompt, a /tokenize prompt
+    or a chat message is the client's input, a one-line 400 naming it, with no traceback logged; a
+    chat request's optional fields sent as null take their defaults."""
+    from fbt_jax.data.tokenizers import HuggingFaceTokenizer
+
+    tokenizer = HuggingFaceTokenizer(chat_tokenizer(tmp_path))
+    monkeypatch.setattr(served, "codec", Codec(types.SimpleNamespace(source="text", tokenizer=tokenizer)))
+    monkeypatch.setattr(served, "chat", ChatTemplate(CHAT_TEMPLATE, tokenizer))
+    post = lambda path, raw: httpx.post(base_url + path, content=raw, headers={"Content-Type": "application/json"})
+    with Collected("uvicorn.error") as logged:
+        for path, raw, param in [
+            ("/v1/completions", '{"model": "tiny", "prompt": "a\\ud800b"}', "prompt"),
+            ("/v1/completions", '{"model": "tiny", "prompt": ["hello", "a\\ud800b"]}', "prompt"),
+            ("/tokenize", '{"prompt": "a\\ud800b"}', "prompt"),
+            ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00"}]}',
+             "messages"),
+        ]:  # fmt: skip
+            error = error_of(post(path, raw), 400)
+            assert error["param"] == param and "lone surrogate ('\\ud" in error["message"], error
+    assert not logged.records, [r.getMessage() for r in logged.records]
+    nulls = dict.fromkeys(["max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream", "stop",
+                           "seed", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "user",
+                           "tools", "tool_choice", "response_format"])  # fmt: skip
+    body = {"model": "tiny:soft", "messages": [{"role": "user", "content": "hello"}], **nulls}
+    response = httpx.post(base_url + "/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["logprobs"] is None
 
 
 def test_fbt_serve_serves_a_trained_run_and_drains_on_sigterm(trained_run, tmp_path):
@@ -382,6 +544,42 @@ def test_a_client_that_goes_away_frees_its_slot(served, base_url, monkeypatch):
         next(response.iter_lines())
     wait_for(lambda: cancelled() == before + 1 and not pool.running(), timeout=30)
     assert time.perf_counter() - started < 23 * 0.05
+
+
+def test_a_non_streamed_client_that_goes_away_frees_its_slots(served, base_url, monkeypatch):
+    """A client that gives up on a non-streamed request (its connection closed while a token comes
+    every 0.1 s, so the wait for the next one never times out): the request leaves its slot within a
+    check and a step (counted as cancelled), long before its max_tokens."""
+    pool, real = served.pool, served.pool._step
+
+    def slow_step(sampling, num_steps):  # 23 steps would take 2.3 s: the request is cut well before
+        time.sleep(0.1 * num_steps)
+        return real(sampling, num_steps)
+
+    monkeypatch.setattr(pool, "_step", slow_step)
+    monkeypatch.setattr(pool, "decode_steps", 1)  # a token every step: no pause between tokens
+    cancelled = lambda: (
+        pool.metrics.registry.get_sample_value("fbt_requests_finished_total", {"mode": "soft", "reason": "cancelled"})
+        or 0.0
+    )
+    before, started = cancelled(), time.perf_counter()
+    body = {"model": "tiny:soft", "prompt": [1], "max_tokens": 23, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base_url + "/v1/completions", json=body, timeout=0.3)
+    wait_for(lambda: cancelled() == before + 1 and not pool.running(), timeout=10)
+    assert time.perf_counter() - started < 23 * 0.1
+
+
+def test_grace_zero_is_no_grace():
+    """--grace reaches uvicorn as given: 0 cuts running requests at once, and a fraction is kept
+    (uvicorn reads None, which `int(grace) or None` gave for both, as waiting without limit)."""
+    from fastapi import FastAPI
+
+    from fbt_jax.serve import cli
+
+    assert cli.server_config(FastAPI(), 0.0).timeout_graceful_shutdown == 0
+    assert cli.server_config(FastAPI(), 0.5).timeout_graceful_shutdown == 0.5
+    assert cli.server_config(FastAPI(), 30.0).timeout_graceful_shutdown == 30
 
 
 @pytest.mark.parametrize(

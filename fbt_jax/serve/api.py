@@ -1,6 +1,7 @@
 """The HTTP side of fbt-serve: an OpenAI-compatible API (FastAPI) in front of the decode pool.
 
     GET  /v1/models               one id per decoding mode: NAME (standard), NAME:soft, NAME:fused
+    GET  /v1/models/{id}          one of them (404 model_not_found for any other id)
     POST /v1/completions          prompts as text or token ids; streaming, logprobs, echo, n, stop
     POST /v1/chat/completions     where the run's tokenizer carries a chat template
     GET  /health, GET /metrics    liveness; Prometheus' text format
@@ -8,7 +9,8 @@
                                   lm-evaluation-harness's local-completions reads)
 
 Handlers are async and only check requests, queue them (`Pool.submit`) and read their events: the
-device work is the pool's thread.
+device work is the pool's thread. Every error, raised here or not, is answered in OpenAI's shape
+(`protocol.install_error_handlers`).
 """
 
 from __future__ import annotations
@@ -25,17 +27,19 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from fbt_jax.decode import MODES
 from fbt_jax.serve import protocol, responses
-from fbt_jax.serve.pool import Draining, Pool, QueueFull
+from fbt_jax.serve.pool import Draining, Pool, QueueFull, TooLarge
 from fbt_jax.serve.pool import Request as PoolRequest
 from fbt_jax.serve.protocol import ApiError
 from fbt_jax.serve.text import ChatTemplate, Codec, stop_check
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions
+# How often a non-streamed request asks whether its client is still there: a client gone frees its
+# slots within this (and the decode trip in flight), whether or not tokens keep coming.
+DISCONNECT_CHECK_S = 0.1
 
 
 @dataclasses.dataclass
@@ -57,10 +61,16 @@ class Served:
         return [self.name if mode == "standard" else f"{self.name}:{mode}" for mode in MODES]
 
     def mode(self, model: str) -> str:
+        """The decoding mode a model id names; 404 model_not_found (as OpenAI answers) for another id."""
         ids = self.model_ids()
         if model not in ids:
-            raise ApiError(400, f"model {model!r} is not served here; use one of {', '.join(ids)}", param="model")
+            raise ApiError(404, f"model {model!r} is not served here; use one of {', '.join(ids)}", param="model",
+                           code="model_not_found")  # fmt: skip
         return MODES[ids.index(model)]
+
+    def model_card(self, model: str) -> dict[str, Any]:
+        return {"id": model, "object": "model", "created": self.created, "owned_by": "fbt-jax",
+                "max_model_len": self.context_len}  # fmt: skip
 
 
 def create_app(served: Served) -> FastAPI:
@@ -76,20 +86,7 @@ def create_app(served: Served) -> FastAPI:
         thread.join(timeout=60)
 
     app = FastAPI(title="fbt-serve", lifespan=lifespan)
-
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, err: ApiError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
-        message, param = protocol.validation_line(list(err.errors()))
-        return JSONResponse(ApiError(400, message, param=param).body(), status_code=400)
-
-    @app.exception_handler(Exception)
-    async def failed(request: Request, err: Exception) -> JSONResponse:
-        line = str(err).splitlines()[0] if str(err) else type(err).__name__
-        return JSONResponse(ApiError(500, f"the server failed on this request: {line}", "server_error").body(), 500)
+    protocol.install_error_handlers(app, served.pool.metrics)
 
     @app.get("/health")
     async def health() -> Response:
@@ -103,8 +100,12 @@ def create_app(served: Served) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": i, "object": "model", "created": served.created, "owned_by": "fbt-jax",
-                                            "max_model_len": served.context_len} for i in served.model_ids()]}  # fmt: skip
+        return {"object": "list", "data": [served.model_card(i) for i in served.model_ids()]}
+
+    @app.get("/v1/models/{model}")
+    async def model(model: str) -> dict[str, Any]:
+        served.mode(model)  # 404 model_not_found for an id not served here
+        return served.model_card(model)
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict[str, Any]:
@@ -141,8 +142,9 @@ def create_app(served: Served) -> FastAPI:
         if served.chat is None:
             raise ApiError(400, f"{served.name} has no chat template (a base model's tokenizer carries none); "
                                 "use /v1/completions", param="messages")  # fmt: skip
+        texts = [protocol.check_unicode(m.text(), "messages") for m in body.messages]
         try:
-            prompt = served.chat.encode([{"role": m.role, "content": m.text()} for m in body.messages])
+            prompt = served.chat.encode([{"role": m.role, "content": t} for m, t in zip(body.messages, texts)])
         except Exception as err:  # the template's own raise_exception, or a template error
             raise ApiError(400, f"the chat template rejects these messages: {err}", param="messages") from None
         prompt = _check_ids(served, prompt, "messages")
@@ -157,6 +159,7 @@ def create_app(served: Served) -> FastAPI:
 def _encode(served: Served, text: str, param: str) -> list[int]:
     from fbt_jax.errors import ConfigError
 
+    protocol.check_unicode(text, param)  # a tokenizer given a lone surrogate raises as if the server failed
     try:
         return [int(i) for i in served.codec.encode(text)]
     except ConfigError as err:
@@ -203,7 +206,7 @@ def _check_lengths(served: Served, prompts: list[list[int]], max_tokens: int, ec
 async def _answer(served: Served, request: Request, body: Any, mode: str, prompts: list[list[int]], max_tokens: int,
                   prompt_texts: list[str], chat: bool) -> Response:  # fmt: skip
     """Queue every (prompt, choice), then answer at once (stream) or when all have finished."""
-    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    arrived, loop, events = time.perf_counter(), asyncio.get_running_loop(), asyncio.Queue()
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
     stops = stop_check(served.codec, body.stop)
     score_prompt = bool(getattr(body, "echo", False) and getattr(body, "logprobs", None) is not None)
@@ -218,6 +221,8 @@ async def _answer(served: Served, request: Request, body: Any, mode: str, prompt
             results.append(responses.Result(prompt))
     try:
         served.pool.submit(queued)
+    except TooLarge:
+        raise protocol.too_large(len(prompts), body.n, served.pool.num_slots, served.pool.max_waiting) from None
     except QueueFull as err:
         raise ApiError(
             429, f"the server is busy: {err}; retry shortly", "rate_limit_error", headers={"Retry-After": "1"}
@@ -229,23 +234,27 @@ async def _answer(served: Served, request: Request, body: Any, mode: str, prompt
     head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": body.model}  # fmt: skip
     if body.stream:
-        return StreamingResponse(_stream(served, request, body, queued, results, events, head, prompt_texts, prompts, chat),
-                                 media_type="text/event-stream")  # fmt: skip
+        chunks = _stream(served, body, queued, results, events, head, prompt_texts, prompts, chat, arrived)
+        return StreamingResponse(chunks, media_type="text/event-stream")
     try:
+        check_at = time.perf_counter() + DISCONNECT_CHECK_S
         while not all(r.finished for r in results):
             try:
-                index, event = await asyncio.wait_for(events.get(), timeout=0.5)
+                index, event = await asyncio.wait_for(events.get(), timeout=DISCONNECT_CHECK_S)
+                results[index].add(event)
             except TimeoutError:
+                pass
+            if time.perf_counter() >= check_at:  # on a clock, not on a quiet queue: tokens may never pause
+                check_at = time.perf_counter() + DISCONNECT_CHECK_S
                 if await request.is_disconnected():
                     return Response(status_code=499)
-                continue
-            results[index].add(event)
     finally:
         for q in queued:
             q.cancelled = True  # a client gone mid-request frees its slots; finished ones are unaffected
     failed = next((r.error for r in results if r.error), None)
     if failed:
         raise ApiError(500, f"this request failed: {failed}", "server_error")
+    served.pool.metrics.answered(time.perf_counter() - arrived)
     n = body.n
     if chat:
         choices = [responses.chat_choice(i, r, served.codec, body) for i, r in enumerate(results)]
@@ -255,9 +264,9 @@ async def _answer(served: Served, request: Request, body: Any, mode: str, prompt
     return JSONResponse({**head, "choices": choices, "usage": responses.usage(prompts, results)})
 
 
-async def _stream(served: Served, request: Request, body: Any, queued: list[PoolRequest], results: list[responses.Result],
+async def _stream(served: Served, body: Any, queued: list[PoolRequest], results: list[responses.Result],
                   events: asyncio.Queue, head: dict[str, Any], prompt_texts: list[str], prompts: list[list[int]],
-                  chat: bool) -> AsyncIterator[str]:  # fmt: skip
+                  chat: bool, arrived: float) -> AsyncIterator[str]:  # fmt: skip
     """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`; a client that goes
     away cancels the request (the generator is closed), which frees its slots."""
     head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
@@ -272,6 +281,10 @@ async def _stream(served: Served, request: Request, body: Any, queued: list[Pool
             choice = responses.stream_delta(index, result, served.codec, body, chat, prompt_texts[index // body.n])
             if choice is not None:
                 yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+        if any(r.error for r in results):
+            served.pool.metrics.error(500)  # counted here: the stream's status went out before it failed (200)
+        else:
+            served.pool.metrics.answered(time.perf_counter() - arrived)
         if body.include_usage():
             yield f"data: {json.dumps({**head, 'choices': [], 'usage': responses.usage(prompts, results)})}\n\n"
         yield "data: [DONE]\n\n"

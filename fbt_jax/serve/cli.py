@@ -35,12 +35,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--prefill-passes", type=int, default=2, help="passes of the fused prefill (NAME:fused)")
     parser.add_argument(
-        "--max-waiting", type=int, default=256, help="queued requests beyond which the server answers 429"
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="choices queued beyond the slots: a request that fits --slots + this but not now gets 429, a larger one 400",
     )
     parser.add_argument(
         "--decode-steps", type=int, default=8, help="decode steps per trip from the host while no request waits"
     )
-    parser.add_argument("--grace", type=float, default=30.0, help="seconds running requests get to finish on SIGTERM")
+    parser.add_argument(
+        "--grace", type=float, default=30.0, help="seconds running requests get to finish on SIGTERM (0: none)"
+    )
     with reported("fbt-serve"):
         args = parser.parse_args(argv)
         buckets = check_args(args)
@@ -123,8 +128,7 @@ def serve(served: Any, host: str, port: int, grace: float) -> None:
     except OSError as err:
         raise ConfigError(f"cannot listen on {host}:{port} ({err.strerror}); choose another --port or --host") from None
     bound = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(served), log_level="warning", timeout_graceful_shutdown=int(grace) or None)
-    server = Server(config)
+    server = Server(server_config(create_app(served), grace))
     # uvicorn raises the signal it drained on once it has stopped, through the handler it found: a
     # drained server is a clean exit (0), so that handler does nothing.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -132,6 +136,14 @@ def serve(served: Any, host: str, port: int, grace: float) -> None:
     print(f"fbt-serve: serving {', '.join(served.model_ids())} at http://{host}:{bound}/v1", flush=True)
     server.run(sockets=[sock])
     print("fbt-serve: stopped", flush=True)
+
+
+def server_config(app: Any, grace: float) -> Any:
+    """uvicorn's settings for fbt-serve: quiet, and `grace` seconds for running requests once drained,
+    as given: 0 is no grace (they are cut at once), where uvicorn reads None as no limit at all."""
+    import uvicorn
+
+    return uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace)
 
 
 @contextlib.contextmanager

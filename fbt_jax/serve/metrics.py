@@ -1,6 +1,7 @@
 """The server's Prometheus metrics (`GET /metrics`, the text exposition format): requests running
-and waiting, slots in use, tokens generated, requests finished and time to first token. One
-registry per server, so that servers in one process (the tests) do not share counts."""
+and waiting, slots in use, tokens generated, requests finished, refused and failed, time to first
+token, time in the queue and each request's latency. One registry per server, so that servers in one
+process (the tests) do not share counts."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 # Time to first token: from a few milliseconds (a warm short prompt) to a minute (a long queue).
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# A request's whole answer: a few tokens of a small model to thousands of a large one behind a queue.
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+# Waiting for a slot: nothing on an idle server, up to minutes with a long queue.
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
 class Metrics:
@@ -30,11 +35,30 @@ class Metrics:
         self.kv_held = Counter(
             "fbt_kv_positions_held", "Cache positions holding a token, summed over steps", registry=r
         )
-        self.ttft = Histogram(
-            "fbt_time_to_first_token_seconds",
-            "From a request's arrival to its first token",
-            buckets=TTFT_BUCKETS,
+
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, documentation, buckets=buckets, registry=r)
+
+        self.ttft = histogram(
+            "fbt_time_to_first_token_seconds", "From a request's arrival to its first token", TTFT_BUCKETS
+        )
+        # vLLM's e2e_request_latency_seconds and request_queue_time_seconds, under this server's prefix.
+        self.latency = histogram(
+            "fbt_e2e_request_latency_seconds",
+            "From a request's arrival to its last choice's end (answered requests)",
+            LATENCY_BUCKETS,
+        )
+        self.queue_time = histogram(
+            "fbt_request_queue_time_seconds", "From a choice's arrival to its entering a decode slot", QUEUE_BUCKETS
+        )
+        self.refusals = Counter(
+            "fbt_requests_refused",
+            "Requests refused before any work ran, by HTTP status (4xx; 429: the queue was full; 503: draining)",
+            ["status"],
             registry=r,
+        )
+        self.failures = Counter(
+            "fbt_requests_failed", "Requests that failed on the server, by HTTP status (5xx)", ["status"], registry=r
         )
 
     def queue(self, waiting: int, running: int) -> None:
@@ -53,6 +77,20 @@ class Metrics:
 
     def finished(self, mode: str, reason: str) -> None:
         self.requests.labels(mode=mode, reason=reason).inc()
+
+    def answered(self, seconds: float) -> None:
+        self.latency.observe(seconds)
+
+    def entered_slot(self, seconds_waited: float) -> None:
+        self.queue_time.observe(seconds_waited)
+
+    def error(self, status: int) -> None:
+        """An error answer: a refusal (the client's request, or the server draining: nothing ran) or a
+        failure (the server's own, 5xx)."""
+        if status < 500 or status == 503:
+            self.refusals.labels(status=str(status)).inc()
+        else:
+            self.failures.labels(status=str(status)).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

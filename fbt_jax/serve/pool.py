@@ -27,7 +27,12 @@ from fbt_jax.serve.metrics import Metrics
 
 
 class QueueFull(Exception):
-    """More requests wait than the pool queues: the client should retry later."""
+    """The request would fit the pool, but not now (the slots are busy, the queue full): retry later."""
+
+
+class TooLarge(Exception):
+    """The request has more choices than the pool holds at once (every slot and the whole queue): it
+    can never enter, however long the client waits."""
 
 
 class Draining(Exception):
@@ -109,14 +114,24 @@ class Pool:
         self.compiled_programs = 0
 
     # --- the HTTP side ------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """The most choices the pool holds at once: one in each slot, `max_waiting` queued."""
+        return self.num_slots + self.max_waiting
+
     def submit(self, requests: Sequence[Request]) -> None:
-        """Queue a request's choices together (all or none)."""
+        """Queue a request's choices together (all or none): those that find a free slot enter it, the
+        rest wait, up to `max_waiting`."""
         with self.changed:
             if self.draining:
                 raise Draining("the server is shutting down")
-            if len(self.waiting) + len(requests) > self.max_waiting:
+            if len(requests) > self.capacity:
+                raise TooLarge(f"{len(requests)} choices; the most this server holds at once is {self.capacity}")
+            held = self.running() + len(self.waiting)  # a slot being filled counts as running (`run`)
+            if held + len(requests) > self.capacity:
                 raise QueueFull(
-                    f"{len(self.waiting)} requests are waiting, the most this server queues is {self.max_waiting}"
+                    f"{self.running()} of {self.num_slots} slots are busy and {len(self.waiting)} requests wait, "
+                    f"the most this server queues is {self.max_waiting}"
                 )
             now = time.perf_counter()
             for request in requests:
@@ -166,9 +181,12 @@ class Pool:
                 admitted = []
                 for slot in range(self.num_slots):
                     if self.active[slot] is None and self.waiting:
-                        admitted.append((slot, self.waiting.popleft()))
-            for slot, request in admitted:
-                self._admit(slot, request)
+                        # The slot is the request's from here (before its prefill), so that `submit`
+                        # never counts a request leaving the queue as neither waiting nor running.
+                        self.active[slot] = self.waiting.popleft()
+                        admitted.append(slot)
+            for slot in admitted:
+                self._admit(slot)
             self.metrics.queue(len(self.waiting), self.running())
             if self.running():
                 self._decode()
@@ -197,9 +215,14 @@ class Pool:
         )
         return scores
 
-    def _admit(self, slot: int, request: Request) -> None:
+    def _admit(self, slot: int) -> None:
+        """Prefill the request reserved for `slot`; it keeps the slot unless it ends here (cancelled,
+        failed, or only scoring its prompt). The slot is freed before its client hears of the end."""
+        request = self.active[slot]
         if request.cancelled:
+            self.active[slot] = None
             return
+        self.metrics.entered_slot(time.perf_counter() - request.submitted)
         try:
             prompt = np.asarray(request.prompt, np.int32)
             scores = self._insert(
@@ -209,12 +232,12 @@ class Pool:
                 logp, ids, top = (np.asarray(x)[: len(prompt)] for x in scores)
                 request.emit(Event("prompt", scores=Scores(logp, ids, top)))
         except Exception as err:  # this request's prefill failed: it fails alone
+            self.active[slot] = None
             request.emit(Event("failed", reason=f"prefill failed: {err}"))
             return
         if request.max_tokens == 0:
+            self.active[slot] = None
             self._finish(request, "length")
-            return
-        self.active[slot] = request
 
     def _sampling(self) -> engine.Sampling:
         def column(get: Callable[[Request], Any], dtype: Any, free: Any = 0) -> np.ndarray:
@@ -239,8 +262,8 @@ class Pool:
         except Exception as err:  # the step itself failed: its requests fail, the pool starts afresh
             for slot, request in enumerate(self.active):
                 if request is not None:
-                    request.emit(Event("failed", reason=f"decoding failed: {err}"))
                     self.active[slot] = None
+                    request.emit(Event("failed", reason=f"decoding failed: {err}"))
             self.slots = engine.empty_slots(self.model, self.num_slots, self.context_len)
             return
         for k in range(num_steps):
@@ -282,8 +305,8 @@ class Pool:
             try:
                 stopped = token in request.stop_ids or bool(request.stop_check and request.stop_check(request.tokens))
             except Exception as err:
-                request.emit(Event("failed", reason=f"stop check failed: {err}"))
                 self.active[slot] = None
+                request.emit(Event("failed", reason=f"stop check failed: {err}"))
                 continue
             full = len(request.prompt) + len(request.tokens) >= self.context_len
             if stopped or full or len(request.tokens) >= request.max_tokens:

@@ -25,6 +25,10 @@ class Result:
     error: str | None = None
     sent_text: int = 0  # a stream: characters of the generated text sent so far
     sent_tokens: int = 0  # a stream: tokens whose log-probabilities were sent
+    # A stream: its first chunk went out (the echoed prompt, a chat's role). Not inferred from the two
+    # counts above: an echo's first chunk (the prompt's scores) can leave both at 0.
+    sent_head: bool = False
+    sent_offset: int = 0  # a stream: text_offset of the next log-probability sent (continues the last chunk's)
 
     def add(self, event: Event) -> None:
         if event.kind == "prompt":
@@ -55,11 +59,13 @@ def _top(codec: Codec, ids: np.ndarray, logprobs: np.ndarray, k: int) -> dict[st
     return out
 
 
-def completion_logprobs(codec: Codec, result: Result, k: int, echo: bool, tokens_from: int = 0) -> dict[str, Any]:
+def completion_logprobs(
+    codec: Codec, result: Result, k: int, echo: bool, tokens_from: int = 0, offset: int = 0
+) -> dict[str, Any]:
     """OpenAI's completion logprobs: each token's text, log-probability, top-k alternatives and
-    offset in the choice's text. With echo the prompt's tokens come first (the first one has none)."""
+    offset in the choice's text. With echo the prompt's tokens come first (the first one has none).
+    A stream's chunk starts at generated token `tokens_from`, whose offset is `offset`."""
     tokens, token_logprobs, top, offsets = [], [], [], []
-    offset = 0
 
     def add(token: int, logprob: float | None, alternatives: dict[str, float] | None) -> None:
         nonlocal offset
@@ -77,6 +83,13 @@ def completion_logprobs(codec: Codec, result: Result, k: int, echo: bool, tokens
     for t in range(tokens_from, len(result.tokens)):
         add(result.tokens[t], result.logprobs[t], _top(codec, *result.top[t], k))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def offset_after(logprobs: dict[str, Any], offset: int) -> int:
+    """The text_offset that follows a chunk's log-probabilities (`offset` if it has none)."""
+    if not logprobs["tokens"]:
+        return offset
+    return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
 
 
 def completion_choice(index: int, result: Result, codec: Codec, body: Any, prompt_text: str) -> dict[str, Any]:
@@ -116,11 +129,12 @@ def stream_delta(index: int, result: Result, codec: Codec, body: Any, chat: bool
     done = result.finished or found
     final = sendable(full, body.stop, done)
     new_text = final[result.sent_text :]
-    first = result.sent_text == 0 and result.sent_tokens == 0
+    first = not result.sent_head
     reason = ("stop" if found else result.reason) if result.finished else None
     if not new_text and reason is None and not (first and body_echo(body) and not chat):
         return None
     since, result.sent_text, result.sent_tokens = result.sent_tokens, len(final), len(result.tokens)
+    result.sent_head = True
     if chat:
         delta = {"content": new_text} if not first else {"role": "assistant", "content": new_text}
         logprobs = chat_logprobs(codec, result, body.top_logprobs or 0, since) if body.logprobs else None
@@ -128,7 +142,8 @@ def stream_delta(index: int, result: Result, codec: Codec, body: Any, chat: bool
     echo = first and body.echo
     logprobs = None
     if body.logprobs is not None:
-        logprobs = completion_logprobs(codec, result, body.logprobs, echo, since)
+        logprobs = completion_logprobs(codec, result, body.logprobs, echo, since, result.sent_offset)
+        result.sent_offset = offset_after(logprobs, result.sent_offset)
     return {"index": index, "text": (prompt_text if echo else "") + new_text, "logprobs": logprobs,
             "finish_reason": reason}  # fmt: skip
 
