@@ -230,3 +230,13 @@ def validate_config(
                 "directory, or '' to start from scratch",
             )
     return schedule
+
+
+def validation_readers(eval_config: ml_collections.ConfigDict) -> str:
+    """What in a training run reads the validation split, each with the setting that turns it off."""
+    e, readers = eval_config, []
+    if e.num_batches > 0:
+        readers.append(f"the held-out eval (eval.num_batches={e.num_batches}; 0 turns it off)")
+    if e.contraction_passes and e.contraction_every_steps:
+        readers.append(f"the contraction monitor (eval.contraction_passes={e.contraction_passes}; 0 turns it off)")
+    return " and ".join(readers)

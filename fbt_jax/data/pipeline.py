@@ -83,16 +83,6 @@ def make_source(plan: DataPlan, split: str, readers: str = "") -> TaskSplit | re
     return _records(plan, split, plan.datasets[0] if plan.datasets else Dataset(plan.tfds[0], ""), readers)
 
 
-def validation_readers(eval_config: Any) -> str:
-    """What in a training run reads the validation split, each with the setting that turns it off."""
-    e, readers = eval_config, []
-    if e.num_batches > 0:
-        readers.append(f"the held-out eval (eval.num_batches={e.num_batches}; 0 turns it off)")
-    if e.contraction_passes and e.contraction_every_steps:
-        readers.append(f"the contraction monitor (eval.contraction_passes={e.contraction_passes}; 0 turns it off)")
-    return " and ".join(readers)
-
-
 def _records(plan: DataPlan, split: str, dataset: Dataset, readers: str = "") -> records.PackedRecords:
     source = records.PackedRecords(prepared_dir(plan, dataset), split)
     if source.seq_len != plan.seq_len:

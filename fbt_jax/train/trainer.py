@@ -17,7 +17,7 @@ import numpy as np
 
 from fbt_jax import checkpoint, contraction, distributed, paths, run_services, sharding, trained, workdir
 from fbt_jax.data.mixture import Mixture
-from fbt_jax.data.pipeline import StepBatches, batch_iterator, make_source, validation_readers
+from fbt_jax.data.pipeline import StepBatches, batch_iterator, make_source
 from fbt_jax.data.plan import DataPlan, plan_data
 from fbt_jax.errors import CheckpointError, ConfigError
 from fbt_jax.flops import train_step_flops
@@ -29,7 +29,7 @@ from fbt_jax.train import goodput, harness_hook, hooks
 from fbt_jax.train.loop import run_steps
 from fbt_jax.train.programs import TrainPrograms
 from fbt_jax.train.step import TrainState, all_finite
-from fbt_jax.validation import validate_config
+from fbt_jax.validation import validate_config, validation_readers
 
 
 class Trainer:
