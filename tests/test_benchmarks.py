@@ -53,6 +53,13 @@ def run_benchmark(name: str, *args: str, timeout: float = 300) -> subprocess.Com
     return run_command([sys.executable, os.path.join("benchmarks", f"{name}.py"), *args], env, timeout=timeout)
 
 
+def line_kinds(quoted: str) -> list[str]:
+    """The first word of each line a command printed, up to its list of outputs: what a run of any
+    length prints alike (warnings aside, which depend on what the run trained)."""
+    lines = quoted.split("outputs in")[0].splitlines()
+    return [line.split()[0] for line in lines if line.strip() and not line.startswith("warning:")]
+
+
 def numbers(tree, path: str = ""):
     """(path, value) of every number in a JSON tree."""
     if isinstance(tree, dict):
@@ -93,6 +100,13 @@ def test_benchmark_smoke_run_prints_figures_and_writes_docs(name, tmp_path):
     assert f"python benchmarks/{name}.py --smoke" in block and "Machine:" in block
     if name in QUOTES_OUTPUT:
         assert "```text\n" in block and block.rstrip().endswith("```"), block
+        if name == "first_run":  # README's block shows every kind of line the command prints (issue #58)
+            with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+                readme = f.read().split("<!-- begin: benchmarks/first_run.py -->")[1]
+            assert line_kinds(readme.split("```text\n")[1]) == line_kinds(block.split("```text\n")[1]), (
+                "README.md's first-run block is not what the command prints: "
+                "python benchmarks/first_run.py --write-docs README.md"
+            )
         return
     lines = block.splitlines()
     separators = [i for i, line in enumerate(lines) if re.fullmatch(r"\|(---\|)+", line)]
