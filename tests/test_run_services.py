@@ -80,7 +80,7 @@ def test_the_trace_stops_after_the_windows_save_has_landed_and_traces_python_onl
     monkeypatch.setattr(jax.profiler, "start_trace", lambda d, **kw: calls.append(kw["profiler_options"]))
     monkeypatch.setattr(jax.profiler, "stop_trace", lambda: calls.append("trace stopped"))
     train = ml_collections.ConfigDict({"profile_steps": "3:4", "steps": 6, "profile_python": profile_python})
-    profiler = Profiler(train, str(tmp_path), start_step=0, log=lambda line: None, saver=RecordingSaver(calls))
+    profiler = Profiler.for_run(train, str(tmp_path), start_step=0, log=lambda line: None, saver=RecordingSaver(calls))
     profiler.on_step(StepEnd(step=2, num_passes=1, last=False, stopping=False))
     assert calls[0].python_tracer_level == int(profile_python) and calls[0].host_tracer_level == 2
     assert not profiler.wants(StepEnd(step=3, num_passes=1, last=False, stopping=False))

@@ -222,7 +222,7 @@ async def _answer(served: Served, request: Request, body: Any, mode: str, prompt
     try:
         served.pool.submit(queued)
     except TooLarge:
-        raise protocol.too_large(len(prompts), body.n, served.pool.num_slots, served.pool.max_waiting) from None
+        raise protocol.too_large(len(prompts), body.n, served.pool) from None
     except QueueFull as err:
         raise ApiError(
             429, f"the server is busy: {err}; retry shortly", "rate_limit_error", headers={"Retry-After": "1"}

@@ -8,7 +8,7 @@ of their own: text that is not Unicode, a request larger than the pool ever hold
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,6 +18,9 @@ from starlette.exceptions import HTTPException
 
 from fbt_jax.serve.engine import TOP_LOGPROBS
 from fbt_jax.serve.metrics import Metrics
+
+if TYPE_CHECKING:
+    from fbt_jax.serve.pool import Pool
 
 MAX_CHOICES = 16  # n: choices per prompt
 # Fields OpenAI documents as nullable that this server does not model: null is their default (absent),
@@ -121,10 +124,10 @@ def check_unicode(text: str, param: str) -> str:
     return text
 
 
-def too_large(prompts: int, n: int, num_slots: int, max_waiting: int) -> ApiError:
-    """The 400 for a request with more choices (prompts × n) than the server ever holds at once."""
-    capacity = num_slots + max_waiting
-    held = f"the most this server holds at once is {capacity} (--slots={num_slots} + --max-waiting={max_waiting})"
+def too_large(prompts: int, n: int, pool: Pool) -> ApiError:
+    """The 400 for a request with more choices (prompts × n) than the pool ever holds at once."""
+    capacity = pool.capacity
+    held = f"the most this server holds at once is {capacity} (--slots={pool.num_slots} + --max-waiting={pool.max_waiting})"
     if prompts == 1 or n > capacity:
         return ApiError(400, f"n={n} choices can never be served: {held}; ask for n <= {capacity}, or raise "
                              "--max-waiting", param="n")  # fmt: skip

@@ -292,19 +292,32 @@ class Profiler(Hook):
     device and runtime events (each step's `PjitFunction`, its kernels) need no Python tracer.
     """
 
-    def __init__(self, train: Any, directory: str, start_step: int, log: Any, saver: CheckpointSaver | None = None):
-        """`train` is the run's `config.train` (`profile_steps` set), `saver` its checkpoint hook."""
-        window = run_services.parse_profile_steps(train.profile_steps, train.steps)
-        assert window, "a Profiler needs train.profile_steps"
+    def __init__(
+        self,
+        window: tuple[int, int],
+        directory: str,
+        start_step: int,
+        log: Any,
+        trace_python: bool = False,
+        saver: CheckpointSaver | None = None,
+    ):
         self.first, self.last = window
         self.directory, self.log, self.saver = directory, log, saver
         self.options = jax.profiler.ProfileOptions()
-        self.options.python_tracer_level = 1 if train.profile_python else 0
+        self.options.python_tracer_level = 1 if trace_python else 0
         self.tracing = False
         if start_step >= self.last:
             log(f"profile: steps {self.first}–{self.last} ran before this run resumed at step {start_step}; not traced")
         elif start_step >= self.first - 1:
             self._start(start_step + 1)
+
+    @classmethod
+    def for_run(
+        cls, train: Any, directory: str, start_step: int, log: Any, saver: CheckpointSaver | None
+    ) -> Profiler | None:
+        """The profiler of a run whose `train.profile_steps` names a window (`config.train`), else None."""
+        window = run_services.parse_profile_steps(train.profile_steps, train.steps)
+        return cls(window, directory, start_step, log, train.profile_python, saver) if window else None
 
     def _start(self, step: int) -> None:
         os.makedirs(self.directory, exist_ok=True)

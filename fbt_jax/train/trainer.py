@@ -268,8 +268,8 @@ class Trainer:
             run_hooks.append(goodput.Timed(evaluator, ledger, "eval"))
         if harness:
             run_hooks.append(goodput.Timed(harness, ledger, "eval"))
-        if str(cfg.train.profile_steps).strip():  # after the saver: its save lands before the trace stops
-            run_hooks.append(hooks.Profiler(cfg.train, run_dir.path("profile"), start_step, self.log, saver))
+        profiler = hooks.Profiler.for_run(cfg.train, run_dir.path("profile"), start_step, self.log, saver)
+        run_hooks += [profiler] if profiler else []  # after the saver: its save lands before the trace stops
         d = self.data
         local_batches = batch_iterator(self.step_batches("train", batch_size), start_step, d.num_workers, d.prefetch)
         global_batches = ledger.batches(self.to_global(rows, batch_size) for rows in local_batches)
