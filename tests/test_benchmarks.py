@@ -123,7 +123,7 @@ def test_gpu_check_script_refuses_in_one_line_where_jax_sees_no_gpu():
     result = run_command(["bash", os.path.join("benchmarks", "gpu_check.sh")], cpu_env(None), timeout=120)
     assert result.returncode == 1
     assert result.stderr.strip().startswith("gpu_check.sh: jax sees no GPU ("), result.stderr
-    assert "pip install 'jax[cuda12]'" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "pip install 'jax[cuda13]'" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert result.stdout == ""
 
 

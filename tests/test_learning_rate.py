@@ -4,7 +4,10 @@ compiled train program for runs that differ only in their schedule."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -32,10 +35,19 @@ def test_the_schedule_has_optaxs_bits_under_jit_for_every_length_warmup_and_rate
         check_every_schedule()
 
 
+# The digests of optax's schedule as jax 0.11.2's XLA compiles it (tests/stack/make_fixtures.py).
+OPTAX_BITS = json.load(open(os.path.join(os.path.dirname(__file__), "stack", "schedule_bits.json")))
+
+
 def check_every_schedule() -> None:
+    """Our schedule's bits are optax's as jax 0.11.2 compiled it, on every stack: its constants are
+    arguments, which no XLA refolds. optax's own, its constants baked in, are those bits where XLA
+    folds `pi * count / decay_steps` into `count * (pi * (1 / decay_steps))` (jax ≤ 0.11), and
+    `(count * pi) * (1 / decay_steps)`'s where it no longer does (jax 0.12): either, whole."""
     # One step at a time, as the train step computes it (a vmapped schedule compiles to other bits).
     compiled = jax.jit(lambda steps_S, constants: jax.lax.map(lambda step: learning_rate(step, constants), steps_S))
-    checked = 0
+    unfolded = jax.jit(lambda steps_S, constants: jax.lax.map(lambda step: unfolded_rate(step, constants), steps_S))
+    checked, folds = 0, set()
     for steps, warmup, peak, ratio in itertools.product(
         [4, 60, 300, 3000, 15000], [0, 1, 50, 100], [3e-3, 6e-4, 0.1], [0.0, 0.1]
     ):
@@ -44,15 +56,35 @@ def check_every_schedule() -> None:
         steps_S = jnp.arange(0, steps + 3, dtype=jnp.int32)
         reference = optax.warmup_cosine_decay_schedule(0.0, peak, warmup, steps, end_value=peak * ratio)
         expected = np.asarray(jax.jit(lambda steps_S, reference=reference: jax.lax.map(reference, steps_S))(steps_S))
-        constants = {
-            k: jnp.asarray(v) for k, v in schedule_constants(schedule_config(steps, warmup, peak, ratio)).items()
-        }
+        config = schedule_config(steps, warmup, peak, ratio)
+        constants = {k: jnp.asarray(v) for k, v in schedule_constants(config).items()}
         got = np.asarray(compiled(steps_S, constants))
-        assert np.array_equal(got.view(np.int32), expected.view(np.int32)), (steps, warmup, peak, ratio)
+        assert digest(got) == OPTAX_BITS["digests"][f"{steps},{warmup},{peak},{ratio}"], (steps, warmup, peak, ratio)
+        if np.array_equal(got.view(np.int32), expected.view(np.int32)):
+            folds.add("folded")
+        else:
+            constants["pi"], constants["inverse_decay"] = jnp.float32(np.pi), jnp.float32(1) / (steps - warmup)
+            assert np.array_equal(np.asarray(unfolded(steps_S, constants)).view(np.int32), expected.view(np.int32))
+            folds.add("unfolded")
         checked += 1
     assert checked == 102
+    # One XLA's way for all: jax 0.11.2 folds every schedule, 0.12.0.1 leaves 90 of 102 unfolded.
+    assert folds == {"folded"} or "unfolded" in folds
     lr = schedule_of(schedule_config(300, 50, 3e-3, 0.1))  # outside a compiled step too
     assert float(lr(0)) == 0.0 and float(lr(50)) == pytest.approx(3e-3) and float(lr(300)) == pytest.approx(3e-4)
+
+
+def unfolded_rate(step: jax.Array, c: dict[str, jax.Array]) -> jax.Array:
+    """learning_rate() with optax's cosine argument as jax 0.12's XLA computes it: `(count * pi) *
+    (1 / decay_steps)`, each product rounded to float32."""
+    count = jnp.minimum(step - c["warmup_steps"], c["decay_steps"])
+    cosine_decay = 0.5 * (1 + jnp.cos((count * c["pi"]) * c["inverse_decay"]))
+    decayed = c["one_minus_alpha"] * cosine_decay + c["alpha"]
+    return jnp.where(step < c["warmup_steps"], learning_rate(step, c), c["peak"] * decayed)
+
+
+def digest(array: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
 
 
 @pytest.mark.slow

@@ -4,9 +4,21 @@ segment ids for packed rows; on the CPU it runs in interpret mode (the tests).
 The kernel wants q, k, v with the same number of heads, so grouped kv heads are repeated (query
 head n reads kv head n // R). It tiles the sequence in blocks, so rows are padded at the end to a
 multiple of the block; causality keeps every real query from seeing the padding.
+
+jax (0.11.2 to 0.12.x) deprecates this module (a warning on import) in favour of
+`tokamax.dot_product_attention`, which cannot replace it yet (tokamax 0.0.17; issue #59,
+docs/performance.md): its public call takes no segment ids (packed rows only as a materialised T×T
+mask), its `triton` kernel (the one for any GPU) is itself Pallas-Triton, and neither that kernel's
+backward nor its Mosaic GPU kernels (Hopper/Blackwell) run on the CPU. The import silences that one
+warning.
+Compiled for a GPU (not interpreted), jax also warns that the Pallas Triton backend is deprecated:
+that warning comes from jit's lowering, after this function has run, and is not filtered here.
 """
 
 from __future__ import annotations
+
+import warnings
+from types import ModuleType
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +39,22 @@ def block_sizes(seq_len: int, forward: int = FORWARD_BLOCK, backward: int = BACK
     return padded, min(forward, padded), min(backward, padded)
 
 
+def triton_attention_module() -> ModuleType:
+    """`jax.experimental.pallas.ops.gpu.attention`, imported where first used (only this path needs
+    it) without the DeprecationWarning its import raises: the module is jax's own and still works;
+    the replacement it names does not yet carry what we use it for (the module docstring)."""
+    with warnings.catch_warnings():
+        # This one message only: any other warning of the import (or of jax) still reaches the caller.
+        warnings.filterwarnings(
+            "ignore",
+            message=r"jax\.experimental\.pallas\.ops\.gpu\.attention is deprecated",
+            category=DeprecationWarning,
+        )
+        from jax.experimental.pallas.ops.gpu import attention
+
+    return attention
+
+
 def pallas_gpu_attention(
     q_BTNH: jax.Array,
     k_BTGH: jax.Array,
@@ -38,10 +66,7 @@ def pallas_gpu_attention(
 ) -> jax.Array:
     """`interpret`: emulate the kernel (the CPU) or lower it with Triton (a GPU); None: from this
     process's backend. The caller passes the mode of the devices the program is compiled for."""
-    # Imported where used: jax releases after 0.11.0 deprecate the Pallas-Triton ops (a warning on
-    # import) in favour of tokamax (docs/performance.md).
-    from jax.experimental.pallas.ops.gpu import attention as triton_attention
-
+    triton_attention = triton_attention_module()
     if spec.window:
         raise ValueError("pallas_gpu_attention: no sliding window (resolve() refuses it)")
     B, T, N, H = q_BTNH.shape
