@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib.metadata
 import json
 import os
 import platform
@@ -50,8 +51,10 @@ UNKNOWN = "unknown"  # trained before stamps were kept, or outside a git checkou
 
 
 def code_version() -> str:
-    """The short commit of the last change to CODE_PATHS, with '+edits' where the work tree has
-    changed them since (a result from uncommitted code is tied to no commit); UNKNOWN outside git."""
+    """'<commit>@jax<version>': the short commit of the last change to CODE_PATHS, with '+edits'
+    where the work tree has changed them since (a result from uncommitted code is tied to no commit;
+    UNKNOWN outside git), and the jax that computes with it, which pyproject.toml leaves open: two
+    jax releases round the same program otherwise (docs/platform-notes.md)."""
 
     def git(*argv: str) -> str:
         return subprocess.run(["git", "-C", REPO, *argv], check=True, capture_output=True, text=True).stdout.strip()
@@ -61,7 +64,7 @@ def code_version() -> str:
         edited = git("status", "--porcelain", "--", *CODE_PATHS)  # new files too
     except (OSError, subprocess.CalledProcessError):
         return UNKNOWN
-    return (last or UNKNOWN) + ("+edits" if edited else "")
+    return (last or UNKNOWN) + ("+edits" if edited else "") + f"@jax{importlib.metadata.version('jax')}"
 
 
 def trained_at(directory: str) -> list[str]:

@@ -161,7 +161,8 @@ def render(docs_path: str) -> str:
         "errors); otherwise *undecided*, with the budget the trend points to. A row without a criterion was "
         "recorded under the older rule (every arm of every quantity settled) and keeps that verdict until its "
         "experiment runs again. Every rung was computed by the code of commit "
-        f"{common.code_version()} (the last commit that changed {', '.join(common.CODE_PATHS)}), and its "
+        f"{common.code_version()} (the last commit that changed {', '.join(common.CODE_PATHS)}; after the @, the "
+        "jax that ran it), and its "
         "experiment's command computes it again at any commit with that code, except the rungs named as carried "
         "from other code. At this scale:",
         "",

@@ -10,8 +10,24 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 
 import atexit  # noqa: E402
 import contextlib  # noqa: E402
+import glob  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
+
+# In the commands the tests start, a DeprecationWarning met by our own code is an error, as it is in
+# this process (pyproject.toml's filterwarnings): one filter per fbt_jax module, since the
+# environment's filters match a module's name exactly. A dependency's deprecations inside its own
+# code (ml_collections' `load_module`, say) stay warnings there.
+_MODULES = sorted(
+    os.path.splitext(os.path.relpath(path, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))[0]
+    .replace(os.sep, ".")
+    .removesuffix(".__init__")
+    for path in glob.glob(
+        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fbt_jax", "**", "*.py"),
+        recursive=True,
+    )
+)
+os.environ["PYTHONWARNINGS"] = ",".join(f"error::DeprecationWarning:{module}" for module in _MODULES)
 
 # One persistent compilation cache for the whole session, shared by this process and every command
 # the tests start (they inherit the environment): most tests run the same tiny programs in a new

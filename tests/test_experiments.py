@@ -128,7 +128,7 @@ def test_each_rung_records_the_code_it_came_from_and_the_summary_names_rungs_fro
     import summary
 
     now = common.code_version()
-    assert re.fullmatch(r"[0-9a-f]{7}(\+edits)?", now), now
+    assert re.fullmatch(r"[0-9a-f]{7}(\+edits)?@jax[0-9.]+", now), now
     fresh, begun = str(tmp_path / "fresh"), str(tmp_path / "begun")
     common.stamp_training(fresh, now)
     common.stamp_training(fresh, now)
@@ -260,7 +260,9 @@ def test_experiment_smoke_run_writes_its_block_and_plot(name, smoke_dir):
     assert (smoke_dir / "docs" / "results" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Every rung it computed is tied to the code that trained and evaluated it (issue #47).
     assert set(recorded["commits"]) == set(recorded["effects"]), recorded
-    assert all(re.fullmatch(r"[0-9a-f]{7}(\+edits)?", code) for code in recorded["commits"].values()), recorded
+    assert all(re.fullmatch(r"[0-9a-f]{7}(\+edits)?@jax[0-9.]+", code) for code in recorded["commits"].values()), (
+        recorded
+    )
     if name in LADDER_TABLES:  # the probe and T=16 claims are judged over the state-tracking ladder on disk
         table = block.split(LADDER_TABLES[name])[1].split("\n\n")[0]
         rungs = [line.split(" | ")[0].strip("| ") for line in table.strip().splitlines()[2:]]

@@ -8,6 +8,7 @@ differ by a float32 rounding or so: jax 0.12's XLA:CPU compiles the same HLO (ba
 
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.util
 import json
@@ -27,7 +28,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = sorted(glob.glob(os.path.join(HERE, "checkpoint-jax*")))
 
 
+@functools.cache
 def make_fixtures():
+    """tests/stack/make_fixtures.py as a module, loaded once (it sets the process's XLA_FLAGS)."""
     spec = importlib.util.spec_from_file_location("make_fixtures", os.path.join(HERE, "make_fixtures.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -32,7 +32,8 @@ def _has(distribution: str) -> bool:
 
 needs_libtpu = pytest.mark.skipif(not _has("libtpu"), reason="libtpu is not installed: pip install 'fbt-jax[tpu]'")
 needs_cuda_plugin = pytest.mark.skipif(
-    not _has("jax-cuda12-plugin"), reason="jax's CUDA plugin is not installed: pip install 'fbt-jax[cuda]'"
+    not (_has("jax-cuda13-plugin") or _has("jax-cuda12-plugin")),
+    reason="jax's CUDA plugin is not installed: pip install 'fbt-jax[cuda]'",
 )
 
 

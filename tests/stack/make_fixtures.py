@@ -30,7 +30,8 @@ import tempfile
 
 # As tests/conftest.py sets it: under jax 0.11.2 the CPU's bits depend on how many devices the
 # process has (8 host devices round a step otherwise than 1, even on one of them).
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
