@@ -40,7 +40,7 @@ def load_model_at(
     path: str, log: Any = print, flag: str = "--checkpoint"
 ) -> tuple[Any, ml_collections.ConfigDict, int]:
     """`load_model`, with the step of the checkpoint it read."""
-    one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    one_device = jax.sharding.make_single_device_sharding(jax.local_devices()[0])
 
     def restore(manager: ocp.CheckpointManager, step: int) -> tuple[Any, ml_collections.ConfigDict]:
         meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]

@@ -292,7 +292,7 @@ def saved_state(directory):
 
     path = os.path.join(directory, "state")
     checkpointer = ocp.StandardCheckpointer()
-    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # whatever topology saved it
+    one_device = jax.sharding.make_single_device_sharding(jax.devices()[0])  # whatever topology saved it
     target = jax.tree.map(
         lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one_device), checkpointer.metadata(path).item_metadata
     )

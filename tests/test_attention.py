@@ -22,6 +22,7 @@ from flax import nnx
 
 from fbt_jax import decode, sharding
 from fbt_jax.attention import MaskSpec, attend, describe, interpret_mode, reference_mask, resolve
+from fbt_jax.attention import spec as attention_spec
 from fbt_jax.attention.cudnn import cudnn_attention
 from fbt_jax.attention.spec import Call, here
 from fbt_jax.errors import ConfigError
@@ -30,10 +31,23 @@ from fbt_jax.model import ModelConfig, build_model
 from fbt_jax.train.programs import TrainPrograms
 from fbt_jax.validation import validate_config
 
+# The Pallas-Triton kernel is jax's own op, removed in jax 0.12.1: its tests run where jax has it
+# (both ends CI tests); where it does not, resolve() refuses it (tested below on every jax).
+needs_triton_attention = pytest.mark.skipif(
+    attention_spec.triton_attention_missing(), reason=f"jax {jax.__version__} has no Pallas-Triton attention op"
+)
+PALLAS_GPU = pytest.param("pallas_gpu", 0, marks=needs_triton_attention)
+
 # (implementation, sliding window): each kernel with what it claims (the model-level tests take
 # Splash with its window only: without one it is the same kernel with a causal mask, checked above).
-KERNEL_CASES = [("dot_product", 5), ("pallas_gpu", 0), ("splash", 0), ("splash", 5)]
-MODEL_CASES = [("dot_product", 5), ("pallas_gpu", 0), ("splash", 5)]
+KERNEL_CASES = [("dot_product", 5), PALLAS_GPU, ("splash", 0), ("splash", 5)]
+MODEL_CASES = [("dot_product", 5), PALLAS_GPU, ("splash", 5)]
+
+
+@pytest.fixture
+def triton_attention_present(monkeypatch):
+    """resolve() as on a jax that has the Pallas-Triton attention op (0.11.2 to 0.12.0.1)."""
+    monkeypatch.setattr(attention_spec, "triton_attention_missing", lambda: False)
 
 
 def packed_rows(B: int = 2, T: int = 40) -> tuple[jax.Array, jax.Array]:
@@ -95,6 +109,7 @@ assert warnings.filters == filters, "importing the kernel changed the process's 
 """
 
 
+@needs_triton_attention
 def test_the_pallas_gpu_kernel_raises_no_deprecation_warning_though_jax_deprecates_its_module():
     """jax deprecates `jax.experimental.pallas.ops.gpu.attention` in favour of tokamax, which does
     not yet carry what it does (fbt_jax/attention/pallas_gpu.py): our import silences that one
@@ -176,7 +191,7 @@ def test_a_kernel_under_a_mesh_equals_one_device(impl: str = "splash"):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6)
 
 
-def test_auto_picks_a_flash_kernel_on_gpu_and_tpu_and_the_reference_on_cpu():
+def test_auto_picks_a_flash_kernel_on_gpu_and_tpu_and_the_reference_on_cpu(triton_attention_present):
     call = lambda platform, dtype="bfloat16", packed=True, window=0: Call(platform, dtype, packed, window, 64)
     assert resolve("auto", call("gpu", packed=False)) == "cudnn"
     assert resolve("auto", call("gpu", packed=False, window=4096)) == "cudnn"
@@ -201,10 +216,30 @@ def test_auto_picks_a_flash_kernel_on_gpu_and_tpu_and_the_reference_on_cpu():
         ("pallas_gpu", Call("tpu", "bfloat16", True, 0, 64), "use one of: splash, xla, dot_product"),
     ],
 )  # fmt: skip
-def test_an_implementation_that_cannot_serve_a_call_is_one_line_naming_one_that_can(impl, call, message):
+def test_an_implementation_that_cannot_serve_a_call_is_one_line_naming_one_that_can(
+    impl, call, message, triton_attention_present
+):
     with pytest.raises(ConfigError, match="^model.attention_impl=") as error:
         resolve(impl, call)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_without_jaxs_triton_attention_pallas_gpu_is_refused_in_one_line_and_auto_takes_another(monkeypatch):
+    """jax 0.12.1 removed `jax.experimental.pallas.ops.gpu.attention`: there, asking for pallas_gpu
+    is a ConfigError naming the jax, what it lacks and what can serve the call instead, and `auto`
+    takes cuDNN or the reference. The lookup itself agrees with the installed jax."""
+    version = tuple(int(part) for part in jax.__version__.split(".")[:3])
+    assert attention_spec.triton_attention_missing() == (version >= (0, 12, 1))
+    monkeypatch.setattr(attention_spec, "triton_attention_missing", lambda: True)
+    with pytest.raises(ConfigError) as error:
+        resolve("pallas_gpu", Call("gpu", "bfloat16", True, 0, 64))
+    message = str(error.value)
+    assert message.startswith(f"model.attention_impl=pallas_gpu: jax {jax.__version__} no longer has the Pallas-Triton")
+    assert "removed in jax 0.12.1" in message and message.endswith("use one of: xla, dot_product (or auto)")
+    assert "\n" not in message
+    assert resolve("auto", Call("gpu", "bfloat16", True, 0, 64)) == "xla"  # packed rows
+    assert resolve("auto", Call("gpu", "bfloat16", False, 0, 64)) == "cudnn"
+    assert resolve("auto", Call("gpu", "float32", False, 0, 64)) == "xla"
 
 
 def test_an_unknown_implementation_is_a_config_error():
@@ -222,7 +257,7 @@ def test_a_trained_run_decodes_here_with_its_implementation_only_where_this_back
     assert here(impl, "bfloat16", 0, 64) == expected
 
 
-@pytest.mark.parametrize("impl", ["pallas_gpu", "splash", "auto", "xla"])
+@pytest.mark.parametrize("impl", [pytest.param("pallas_gpu", marks=needs_triton_attention), "splash", "auto", "xla"])
 def test_a_pallas_kernel_on_the_cpu_warns_at_start_up_that_it_runs_in_interpret_mode(impl):
     """configs/tiny.py with a Pallas kernel on this CPU: start-up logs one line saying it is
     interpreted, why that is slow and what to use instead (the kernels pick interpret mode by the

@@ -11,10 +11,12 @@ jax's CUDA plugin (`fbt-jax[cuda]`) and are skipped with that reason without it.
 import importlib.metadata
 import re
 
+import jax
 import pytest
 from conftest import load_config
 
 from fbt_jax import sharding, targets
+from fbt_jax.attention.spec import triton_attention_missing
 from fbt_jax.errors import ConfigError
 from fbt_jax.train import program_facts
 from fbt_jax.train.dry_run import check_slices, dry_run, program_lines, scores_heads
@@ -239,6 +241,7 @@ def test_a_topology_the_compiler_rejects_is_one_line_with_the_accepted_form(name
 
 
 @needs_cuda_plugin
+@pytest.mark.skipif(triton_attention_missing(), reason=f"jax {jax.__version__} has no Pallas-Triton attention op")
 def test_a_gpu_node_compiles_with_the_triton_kernel_not_its_emulation():
     target = targets.target("h100:8")
     # jax preallocates 75% of a GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION): what a program may use.

@@ -5,7 +5,8 @@ The kernel wants q, k, v with the same number of heads, so grouped kv heads are 
 head n reads kv head n // R). It tiles the sequence in blocks, so rows are padded at the end to a
 multiple of the block; causality keeps every real query from seeing the padding.
 
-jax (0.11.2 to 0.12.x) deprecates this module (a warning on import) in favour of
+jax 0.11.2 to 0.12.0.1 deprecate this module (a warning on import), and 0.12.1 removed it
+(spec.py's `unsupported` refuses this kernel there, before anything compiles), in favour of
 `tokamax.dot_product_attention`, which cannot replace it yet (tokamax 0.0.17; issue #59,
 docs/performance.md): its public call takes no segment ids (packed rows only as a materialised T×T
 mask), its `triton` kernel (the one for any GPU) is itself Pallas-Triton, and neither that kernel's

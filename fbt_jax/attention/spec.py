@@ -9,7 +9,8 @@ local mask object for Splash, cuDNN's causal mask type and window length).
     xla / einsum   the reference: explicit einsums with the mask (every backend; decode's cached steps)
     dot_product    jax.nn.dot_product_attention with the mask (XLA's attention; kept for saved runs)
     cudnn          cuDNN's fused flash attention (GPU, bf16, rows not packed)
-    pallas_gpu     the Pallas-Triton flash kernel with segment ids (GPU; the CPU in interpret mode)
+    pallas_gpu     the Pallas-Triton flash kernel with segment ids (GPU; the CPU in interpret mode;
+                   jax ≤ 0.12.0.1: jax 0.12.1 removed it)
     splash         the Pallas TPU Splash kernel with segment ids (TPU; the CPU in interpret mode)
     auto           the fastest correct one for the backend and the call (`resolve`)
 """
@@ -17,6 +18,8 @@ local mask object for Splash, cuDNN's causal mask type and window length).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 from typing import Any
 
 import jax
@@ -25,6 +28,9 @@ from flax import struct
 
 from fbt_jax.errors import ConfigError
 
+# The Pallas-Triton flash attention `pallas_gpu` calls is jax's own op, which jax 0.12.1 removed
+# with the rest of its Triton ops (0.11.2 to 0.12.0.1 have it).
+TRITON_ATTENTION = "jax.experimental.pallas.ops.gpu.attention"
 REFERENCE = ("xla", "einsum")  # two names of one implementation ("einsum": what saved runs say)
 KERNELS = ("cudnn", "pallas_gpu", "splash")
 IMPLS = ("auto", *REFERENCE, "dot_product", *KERNELS)
@@ -72,6 +78,13 @@ def pad_rows(
     return q_BTNH, k_BTGH, v_BTGH, segment_ids_BT
 
 
+@functools.cache
+def triton_attention_missing() -> bool:
+    """Whether the installed jax lacks the Pallas-Triton attention op (jax ≥ 0.12.1). Looked up
+    without importing it: its import warns that it is deprecated."""
+    return importlib.util.find_spec(TRITON_ATTENTION) is None
+
+
 @dataclasses.dataclass(frozen=True)
 class Call:
     """The static facts of one attention call that decide which implementations can serve it."""
@@ -102,6 +115,11 @@ def unsupported(impl: str, call: Call) -> str | None:
             return f"the Pallas-Triton kernel runs on GPUs (and on the CPU in interpret mode), not {call.platform}"
         if call.window:
             return "the Pallas-Triton kernel has no sliding window"
+        if triton_attention_missing():
+            return (
+                f"jax {jax.__version__} no longer has the Pallas-Triton kernel ({TRITON_ATTENTION}, "
+                "removed in jax 0.12.1; 0.11.2 to 0.12.0.1 have it)"
+            )
         return None
     if impl == "splash":
         if call.platform not in ("tpu", "cpu"):
