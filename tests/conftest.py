@@ -18,14 +18,10 @@ import tempfile  # noqa: E402
 # this process (pyproject.toml's filterwarnings): one filter per fbt_jax module, since the
 # environment's filters match a module's name exactly. A dependency's deprecations inside its own
 # code (ml_collections' `load_module`, say) stay warnings there.
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MODULES = sorted(
-    os.path.splitext(os.path.relpath(path, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))[0]
-    .replace(os.sep, ".")
-    .removesuffix(".__init__")
-    for path in glob.glob(
-        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fbt_jax", "**", "*.py"),
-        recursive=True,
-    )
+    os.path.splitext(os.path.relpath(path, _CHECKOUT))[0].replace(os.sep, ".").removesuffix(".__init__")
+    for path in glob.glob(os.path.join(_CHECKOUT, "fbt_jax", "**", "*.py"), recursive=True)
 )
 os.environ["PYTHONWARNINGS"] = ",".join(f"error::DeprecationWarning:{module}" for module in _MODULES)
 
