@@ -8,6 +8,12 @@ Sequential semantics (what inference does). With fuse-from index p ≥ 1 per exa
 The K-pass objective approximates it with K parallel passes over the whole sequence: pass 1 is
 an ordinary forward pass, pass k fuses pass k−1's states shifted right by one. By induction
 pass k is exact at every position t < p + k − 1 (the exactness property the tests check).
+
+Where a row is fused is `fuse`: per example a fuse-from position p (B,) within each packed document,
+or per token a mask (B, T), for chat data whose replies are fused and prompts read plainly
+(docs/post-training.md). With a mask, pass k is exact at a position when every fused input up to it in
+its document is among the first k − 1 of its run of fused inputs: in a document with one reply (chat
+data's default), at the reply's first k − 1 tokens, as with p.
 """
 
 from __future__ import annotations
@@ -27,20 +33,32 @@ def shift_right(h_BTD: jax.Array) -> jax.Array:
     return jnp.pad(h_BTD, ((0, 0), (1, 0), (0, 0)))[:, :-1]
 
 
+def fused_positions(fuse: jax.Array, positions_BT: jax.Array) -> jax.Array:
+    """(B, T) bool, where inputs are fused: position ≥ p for fuse-from indices p (B,), or a mask (B, T).
+
+    Using the (per-document) position rather than the index makes packed sequences safe: a
+    document's first token has position 0 < p and never reads the previous document's state
+    (a mask must leave every document's first token unfused itself: chat data does).
+    """
+    return fuse.astype(bool) if fuse.ndim == 2 else positions_BT >= fuse[:, None]
+
+
+def data_fuse(fuse_BT: jax.Array, fuse_from_B: jax.Array, positions_BT: jax.Array) -> jax.Array:
+    """(B, T) bool: where a batch's data says (chat rows: 1 fused, 0 read plainly), else (-1: a pretraining
+    row in a mixture with chat data) from the row's drawn fuse-from, as for pretraining data alone."""
+    return jnp.where(fuse_BT < 0, positions_BT >= fuse_from_B[:, None], fuse_BT > 0)
+
+
 def feedback_inputs(
     model: FBTransformer,
     e_BTD: jax.Array,
     h_prev_BTD: jax.Array,
-    fuse_from_B: jax.Array,
+    fuse: jax.Array,
     positions_BT: jax.Array,
 ) -> jax.Array:
-    """U for one feedback pass: fuse(e_t, h_{t-1}) where position ≥ p, the plain e_t before.
-
-    Using the (per-document) position rather than the index makes packed sequences safe: a
-    document's first token has position 0 < p and never reads the previous document's state.
-    """
+    """U for one feedback pass: fuse(e_t, h_{t-1}) where `fuse` says (`fused_positions`), the plain e_t elsewhere."""
     fused_BTD = model.fusion(e_BTD, shift_right(h_prev_BTD))
-    is_fused_BT1 = (positions_BT >= fuse_from_B[:, None])[..., None]
+    is_fused_BT1 = fused_positions(fuse, positions_BT)[..., None]
     return jnp.where(is_fused_BT1, fused_BTD, e_BTD.astype(fused_BTD.dtype))
 
 
@@ -64,20 +82,18 @@ def feedback_pass(
     model: FBTransformer,
     e_BTD: jax.Array,
     h_prev_BTD: jax.Array,
-    fuse_from_B: jax.Array,
+    fuse: jax.Array,
     positions_BT: jax.Array,
     segment_ids_BT: jax.Array | None = None,
 ) -> jax.Array:
-    """One more pass: H' = F(fuse(E, shift(H))), fused from each row's `fuse_from`."""
-    return model.stack(
-        feedback_inputs(model, e_BTD, h_prev_BTD, fuse_from_B, positions_BT), positions_BT, segment_ids_BT
-    )
+    """One more pass: H' = F(fuse(E, shift(H))), fused where `fuse` says."""
+    return model.stack(feedback_inputs(model, e_BTD, h_prev_BTD, fuse, positions_BT), positions_BT, segment_ids_BT)
 
 
 def last_pass_inputs(
     model: FBTransformer,
     e_BTD: jax.Array,
-    fuse_from_B: jax.Array,
+    fuse: jax.Array,
     num_passes: int,
     positions_BT: jax.Array,
     segment_ids_BT: jax.Array | None = None,
@@ -104,7 +120,7 @@ def last_pass_inputs(
         if options.noise_std > 0.0:
             noise_BTD = pass_noise(noise_rng, k, row_ids_B, carried_BTD.shape)
             carried_BTD = carried_BTD + (options.noise_std * noise_BTD).astype(carried_BTD.dtype)
-        u_BTD = feedback_inputs(model, e_BTD, carried_BTD, fuse_from_B, positions_BT)
+        u_BTD = feedback_inputs(model, e_BTD, carried_BTD, fuse, positions_BT)
     return states, u_BTD
 
 
@@ -120,7 +136,7 @@ def pass_noise(noise_rng: jax.Array, k: int, row_ids_B: jax.Array | None, shape_
 def kpass_forward(
     model: FBTransformer,
     tokens_BT: jax.Array,
-    fuse_from_B: jax.Array,
+    fuse: jax.Array,
     num_passes: int,
     options: PassOptions = PassOptions(),
     noise_rng: jax.Array | None = None,
@@ -133,7 +149,7 @@ def kpass_forward(
         positions_BT = default_positions(tokens_BT.shape)
     e_BTD = model.embed(tokens_BT)
     states, u_BTD = last_pass_inputs(
-        model, e_BTD, fuse_from_B, num_passes, positions_BT, segment_ids_BT, options, noise_rng, row_ids_B
+        model, e_BTD, fuse, num_passes, positions_BT, segment_ids_BT, options, noise_rng, row_ids_B
     )
     return [*states, model.stack(u_BTD, positions_BT, segment_ids_BT)]
 
@@ -141,7 +157,7 @@ def kpass_forward(
 def kpass_loss(
     model: FBTransformer,
     batch: dict[str, jax.Array],
-    fuse_from_B: jax.Array,
+    fuse: jax.Array,
     num_passes: int,
     options: PassOptions = PassOptions(),
     noise_rng: jax.Array | None = None,
@@ -158,7 +174,7 @@ def kpass_loss(
     states = kpass_forward(
         model,
         batch["inputs"],
-        fuse_from_B,
+        fuse,
         num_passes,
         options,
         noise_rng,
@@ -189,7 +205,7 @@ def draw_fuse_from(rng: jax.Array, batch_size: int, mixin_prob: float, low: int,
 def sequential_feedback(
     model: FBTransformer,
     tokens_BT: jax.Array,
-    fuse_from_B: jax.Array,
+    fuse: jax.Array,
     positions_BT: jax.Array | None = None,
     segment_ids_BT: jax.Array | None = None,
 ) -> jax.Array:
@@ -205,14 +221,15 @@ def sequential_feedback(
         positions_BT = default_positions(tokens_BT.shape)
     e_BTD = model.embed(tokens_BT)
     u0_BTD = e_BTD.astype(model.fusion.compute_dtype)
+    fused_BT = fused_positions(fuse, positions_BT)
 
     def decide_input(t: jax.Array, u_BTD: jax.Array) -> jax.Array:
         h_BTD = model.stack(u_BTD, positions_BT, segment_ids_BT)
         e_t = jax.lax.dynamic_index_in_dim(e_BTD, t, axis=1)  # (B, 1, D)
         h_prev = jax.lax.dynamic_index_in_dim(h_BTD, t - 1, axis=1)
         fused_t = model.fusion(e_t, h_prev)
-        pos_t = jax.lax.dynamic_index_in_dim(positions_BT, t, axis=1)  # (B, 1)
-        u_t = jnp.where((pos_t >= fuse_from_B[:, None])[..., None], fused_t, e_t.astype(fused_t.dtype))
+        fused_t_B1 = jax.lax.dynamic_index_in_dim(fused_BT, t, axis=1)  # (B, 1)
+        u_t = jnp.where(fused_t_B1[..., None], fused_t, e_t.astype(fused_t.dtype))
         return jax.lax.dynamic_update_index_in_dim(u_BTD, u_t, t, axis=1)
 
     u_BTD = jax.lax.fori_loop(1, tokens_BT.shape[1], decide_input, u0_BTD)

@@ -44,9 +44,11 @@ def text_plan(
     flag: str = "data.path",
     fraction_flag: str = "data.validation_fraction",
     tokenizer_flag: str = "data.tokenizer",
+    chat: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The plan of preparing the text files `spec` names (see `sources.list_inputs`): every check
-    that needs no full read is made here, before any work."""
+    that needs no full read is made here, before any work. `chat`: chat or prompt–completion records
+    (`conversations.settings`) rather than texts."""
     from fbt_jax.data.sources import check_input, list_inputs
 
     if not 0.0 <= validation_fraction < 1.0:
@@ -56,9 +58,10 @@ def text_plan(
     settings = _tokenizer_settings(tokenizer, tokenizer_flag)
     files = list_inputs(spec, flag)
     for file in files:
-        check_input(file, text_key, flag)
+        check_input(file, tuple(chat["keys"]) if chat else text_key, flag)
     inputs = [[f.path, f.size] for f in files]
     return {
+        **({"chat": chat} if chat else {}),
         "format_version": records.FORMAT_VERSION,
         **settings,
         "seq_len": seq_len,

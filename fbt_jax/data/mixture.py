@@ -87,6 +87,9 @@ class Mixture:
         self.seed = seed
         self.vocab_size = max(s.vocab_size for s in sources)
         self.seq_len = sources[0].seq_len
+        # With chat data in the mix, every batch carries a fuse mask: -1 on pretraining rows (their
+        # fuse-from is drawn as without chat data, feedback.data_fuse), so every step has one program.
+        self.chat = any(getattr(s, "chat", False) for s in sources)
 
     def __len__(self) -> int:
         return sum(len(s) for s, c in zip(self.sources, self.counts) if c)
@@ -125,6 +128,8 @@ class Mixture:
                 )
         first = next(iter(parts.values()))[1]
         out = {key: np.empty((len(dataset), *v.shape[1:]), v.dtype) for key, v in first.items()}
+        if self.chat:
+            out["fuse"] = np.full(first["inputs"].shape[1:], -1, np.int32)[None].repeat(len(dataset), 0)
         for rows, examples in parts.values():
             for key, value in examples.items():
                 out[key][rows] = value

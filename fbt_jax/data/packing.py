@@ -1,7 +1,8 @@
 """Packing variable-length documents into fixed-length records, and records into examples.
 
 A record holds T + 1 token ids and their segment ids (1, 2, … per document piece; 0 = padding),
-so that inputs = tokens[:-1] and targets = tokens[1:]. Documents are placed in order; one that
+so that inputs = tokens[:-1] and targets = tokens[1:]. A record of chat data has a third row: each
+token's `trained` flag (conversations.py), its loss weight as a target and its fuse flag as an input. Documents are placed in order; one that
 does not fit the space left starts a new record if it fits a whole one, and a document longer
 than a record is split into record-sized pieces. Every input token lands in exactly one record.
 """
@@ -16,28 +17,31 @@ import numpy as np
 class RecordPacker:
     """Packs documents pushed one at a time (`add`), for preparing two splits from one stream."""
 
-    def __init__(self, seq_len: int):
-        self.length = seq_len + 1
+    def __init__(self, seq_len: int, rows: int = 2):
+        self.length, self.rows = seq_len + 1, rows
         self._new()
 
     def _new(self) -> None:
-        self.record, self.fill, self.segment = np.zeros((2, self.length), np.int32), 0, 0
+        self.record, self.fill, self.segment = np.zeros((self.rows, self.length), np.int32), 0, 0
 
     def add(self, doc: np.ndarray) -> list[np.ndarray]:
-        """The records that `doc` completes (int32, (2, seq_len + 1): token ids, segment ids)."""
+        """The records that `doc` completes (int32, (rows, seq_len + 1): token ids, segment ids, then the
+        rows after a document's ids: `doc` is (n,) ids, or (rows - 1, n) with its ids first)."""
         done = []
-        doc = np.asarray(doc, np.int32)
-        while len(doc):
+        doc = np.asarray(doc, np.int32).reshape(self.rows - 1, -1)
+        while doc.shape[1]:
             room = self.length - self.fill
-            if len(doc) > room and self.fill > 0 and len(doc) <= self.length:
+            if doc.shape[1] > room and self.fill > 0 and doc.shape[1] <= self.length:
                 done.append(self.record)  # keep the document whole: start it in a fresh record
                 self._new()
                 continue
-            piece, doc = doc[:room], doc[room:]
+            piece, doc = doc[:, :room], doc[:, room:]
             self.segment += 1
-            self.record[0, self.fill : self.fill + len(piece)] = piece
-            self.record[1, self.fill : self.fill + len(piece)] = self.segment
-            self.fill += len(piece)
+            filled = slice(self.fill, self.fill + piece.shape[1])
+            self.record[0, filled] = piece[0]
+            self.record[1, filled] = self.segment
+            self.record[2:, filled] = piece[1:]
+            self.fill += piece.shape[1]
             if self.fill == self.length:
                 done.append(self.record)
                 self._new()
@@ -70,19 +74,26 @@ def segment_positions(segment_ids: np.ndarray) -> np.ndarray:
 def records_to_examples(records: np.ndarray) -> dict[str, np.ndarray]:
     """Inputs, targets, loss weights, segment ids and positions, each (..., T), of records
     (..., 2, T + 1). A target counts only inside one document: never across a boundary, never
-    on padding."""
+    on padding. Chat records (..., 3, T + 1) weigh only the trained targets, and add `fuse`: 1 where
+    an input is fused, 0 where it is read plainly (a pretraining row has none: its fuse-from is drawn)."""
     tokens, segments = records[..., 0, :], records[..., 1, :]
     in_segments = segments[..., :-1]
     weights = (segments[..., 1:] == in_segments) & (in_segments > 0)
-    return {
+    chat = records.shape[-2] == 3
+    if chat:
+        weights &= records[..., 2, 1:] > 0
+    examples = {
         "inputs": np.ascontiguousarray(tokens[..., :-1]),
         "targets": np.ascontiguousarray(tokens[..., 1:]),
         "weights": weights.astype(np.float32),
         "segment_ids": np.ascontiguousarray(in_segments),
         "positions": segment_positions(in_segments),
     }
+    if chat:
+        examples["fuse"] = np.ascontiguousarray(records[..., 2, :-1])
+    return examples
 
 
 def record_to_example(record: np.ndarray) -> dict[str, np.ndarray]:
-    """`records_to_examples` for one record (2, T + 1)."""
+    """`records_to_examples` for one record (2 or 3, T + 1)."""
     return records_to_examples(record)

@@ -55,7 +55,9 @@ def prepared_dir(plan: DataPlan, dataset: Dataset) -> str:
     if dataset.prepared:
         return dataset.path  # prepared by fbt-prepare
     preparation = _preparation(plan)
-    key = json.dumps({k: preparation[k] for k in (*SETTINGS, "inputs", "source")}, sort_keys=True)
+    key = json.dumps(
+        {k: preparation[k] for k in (*SETTINGS, "chat", "inputs", "source") if k in preparation}, sort_keys=True
+    )
     directory = os.path.join(plan.cache_dir, hashlib.blake2b(key.encode(), digest_size=8).hexdigest())
     if not os.path.exists(os.path.join(directory, "meta.json")):
         prepare_shard(preparation, directory, log=lambda *_: None)

@@ -14,6 +14,8 @@ the same manifest.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
 import tempfile
@@ -24,6 +26,7 @@ from typing import Any
 from fbt_jax import paths
 from fbt_jax import progress as shown_progress
 from fbt_jax.data import records, store
+from fbt_jax.data.conversations import ConversationEncoder
 from fbt_jax.data.documents import is_validation
 from fbt_jax.data.packing import RecordPacker
 from fbt_jax.data.shards import assign_units
@@ -72,7 +75,7 @@ def open_output(output: str, plan: dict[str, Any], log: Callable[[str], None] = 
             )
         store.write_json(store.join(output, "prepare.json"), plan, staging_dir(output))
         existing = store.read_json(store.join(output, "prepare.json"))  # another shard may have won
-    for key in (*SETTINGS, "inputs"):
+    for key in (*SETTINGS, "chat", "inputs"):
         if existing.get(key) != plan.get(key):
             if key == "inputs" and [p for p, _ in existing["inputs"]] == [p for p, _ in plan["inputs"]]:
                 return _replan(output, existing, plan, log)
@@ -122,8 +125,9 @@ def unit_done(output: str, unit: int) -> dict[str, Any] | None:
     return done
 
 
-def _documents(plan: dict[str, Any], unit: int) -> Iterator[tuple[str, str]]:
-    """(split, text) for every document of a unit, as a stream."""
+def _documents(plan: dict[str, Any], unit: int) -> Iterator[tuple[str, Any]]:
+    """(split, document) for every document of a unit, as a stream: a text, or for chat data a record
+    (where, values), sent to validation by a hash of its values."""
     if "tfds" in plan:
         from fbt_jax.data.documents import tfds_split_documents
 
@@ -134,19 +138,21 @@ def _documents(plan: dict[str, Any], unit: int) -> Iterator[tuple[str, str]]:
         return
     from fbt_jax.data.sources import InputFile, read_documents
 
-    fraction = plan["validation_fraction"]
+    fraction, chat = plan["validation_fraction"], plan.get("chat")
+    keys = tuple(chat["keys"]) if chat else plan["text_key"]
     for index in plan["units"][unit]:
         path, size = plan["inputs"][index]
-        for text in read_documents(InputFile(path, size), plan["text_key"], plan["flag"]):
-            yield ("validation" if is_validation(text, fraction) else "train"), text
+        for doc in read_documents(InputFile(path, size), keys, plan["flag"]):
+            text = json.dumps(doc[1], sort_keys=True, ensure_ascii=False) if chat else doc
+            yield ("validation" if is_validation(text, fraction) else "train"), doc
 
 
-def _batches(documents: Iterator[tuple[str, str]]) -> Iterator[dict[str, list[str]]]:
-    batch: dict[str, list[str]] = {split: [] for split in records.SPLIT_NAMES}
+def _batches(documents: Iterator[tuple[str, Any]]) -> Iterator[dict[str, list[Any]]]:
+    batch: dict[str, list[Any]] = {split: [] for split in records.SPLIT_NAMES}
     count = size = 0
-    for split, text in documents:
-        batch[split].append(text)
-        count, size = count + 1, size + len(text)
+    for split, doc in documents:
+        batch[split].append(doc)
+        count, size = count + 1, size + (len(doc) if isinstance(doc, str) else len(str(doc[1])))
         if count >= BATCH_DOCUMENTS or size >= BATCH_BYTES:
             yield batch
             batch, count, size = {split: [] for split in records.SPLIT_NAMES}, 0, 0
@@ -161,18 +167,20 @@ def prepare_unit(plan: dict[str, Any], output: str, unit: int) -> dict[str, Any]
     from fbt_jax.data.tokenizers import load_tokenizer
 
     tokenizer = load_tokenizer(plan["tokenizer"], "--tokenizer")  # loaded once per process
+    chat = ConversationEncoder(plan["chat"], tokenizer, plan["seq_len"]) if plan.get("chat") else None
+    encode = chat.encode_batch if chat else tokenizer.encode_batch
     staging = tempfile.mkdtemp(prefix=f"unit-{unit_name(unit)}-", dir=_made(staging_dir(output)))
     try:
         drafts = {split: os.path.join(staging, f"{split}.array_record") for split in records.SPLIT_NAMES}
         writers = {split: ArrayRecordWriter(path, "group_size:1") for split, path in drafts.items()}
-        packers = {split: RecordPacker(plan["seq_len"]) for split in records.SPLIT_NAMES}
+        packers = {split: RecordPacker(plan["seq_len"], 3 if chat else 2) for split in records.SPLIT_NAMES}
         counts = {key: dict.fromkeys(records.SPLIT_NAMES, 0) for key in ("documents", "tokens", "records")}
         try:
             for batch in _batches(_documents(plan, unit)):
-                for split, texts in batch.items():
-                    for ids in tokenizer.encode_batch(texts) if texts else ():
+                for split, docs in batch.items():
+                    for ids in encode(docs) if docs else ():
                         counts["documents"][split] += 1
-                        counts["tokens"][split] += len(ids)
+                        counts["tokens"][split] += ids.shape[-1]
                         for record in packers[split].add(ids):
                             writers[split].write(record.tobytes())
                             counts["records"][split] += 1
@@ -200,6 +208,7 @@ def prepare_unit(plan: dict[str, Any], output: str, unit: int) -> dict[str, Any]
             **{key: plan[key] for key in SETTINGS if key != "tokenizer_identity"},
             "files": files,
             **counts,
+            **({"chat_counts": dataclasses.asdict(chat.counts)} if chat else {}),
         }
         store.write_json(progress_path(output, unit), done, staging)
         return done
@@ -278,10 +287,10 @@ def finish(plan: dict[str, Any], output: str) -> dict[str, Any] | None:
         units.append(done)
     for done in units:
         for key in SETTINGS:
-            if done.get(key) != plan[key]:
+            if done.get(key) != plan.get(key):
                 raise ConfigError(
                     f"unit {done['unit']} in {output} was prepared with {key} {done.get(key)!r}, the plan says "
-                    f"{plan[key]!r}: shards prepared with different settings cannot form one dataset; prepare "
+                    f"{plan.get(key)!r}: shards prepared with different settings cannot form one dataset; prepare "
                     "every shard with the same command into a new directory"
                 )
     totals = {
@@ -302,13 +311,17 @@ def finish(plan: dict[str, Any], output: str) -> dict[str, Any] | None:
         for name, entry in d["files"].items()
         if entry["split"] == split
     }
+    chat = {"chat": plan["chat"], "record_rows": 3} if plan.get("chat") else {}
+    if chat:
+        chat["chat_counts"] = {k: sum(d["chat_counts"][k] for d in units) for k in units[0]["chat_counts"]}
     meta = {
-        "format_version": records.FORMAT_VERSION,
+        "format_version": records.CHAT_FORMAT_VERSION if chat else records.FORMAT_VERSION,
         **{key: plan[key] for key in ("tokenizer", "tokenizer_identity", "vocab_size", "eos_id", "bos_id")},
         **{key: plan[key] for key in SETTINGS if key != "tokenizer_identity"},
         "source": plan["source"],
         "units": len(units),
         **totals,
+        **chat,
         "files": files,
     }
     store.write_json(store.join(output, "meta.json"), meta, staging_dir(output))

@@ -10,7 +10,9 @@ data is never overwritten (`preparation.py` has how, `records.py` the format).
 
 from __future__ import annotations
 
+import json
 import signal
+from typing import Any
 
 from fbt_jax import paths
 from fbt_jax.data.documents import text_plan, tfds_plan
@@ -38,6 +40,16 @@ def main(argv: list[str] | None = None) -> None:
         "--tokenizer", default="byte", help="'byte', a SentencePiece .model, a tokenizer.json or a save_pretrained dir"
     )
     parser.add_argument("--text-key", default="text", help="the JSON field / Parquet column holding the text")
+    parser.add_argument(
+        "--format", default="text", help="text | chat (records with 'messages') | prompt-completion (two fields)"
+    )
+    parser.add_argument("--chat-template", help="a Jinja chat template file (default: the tokenizer's own)")
+    parser.add_argument("--fields", default="", help="the record fields read: 'messages', or 'prompt,completion'")
+    parser.add_argument(
+        "--turns", default="split", help="multi-turn chat: split (each reply in its own segment) | joint"
+    )
+    parser.add_argument("--overlong", default="drop", help="a conversation over seq_len + 1 tokens: drop | truncate")
+    parser.add_argument("--show", type=int, default=0, help="print the first N records as trained, write nothing")
     parser.add_argument("--validation-fraction", type=float, default=0.01, help="share of text documents held out")
     parser.add_argument("--workers", type=int, default=1, help="processes tokenising in parallel on this machine")
     parser.add_argument("--num-shards", type=int, help="machines sharing the work (default: SLURM array / TPU slice)")
@@ -59,11 +71,16 @@ def main(argv: list[str] | None = None) -> None:
         if bool(args.input) == bool(args.tfds_name):
             raise ConfigError("give exactly one of --input (text files) or --tfds-name (a TFDS dataset)")
         tokenizer = args.tokenizer if args.tokenizer == "byte" else paths.resolve(args.tokenizer, "--tokenizer")
+        if args.format != "text" and not args.input:
+            raise ConfigError(f"--format={args.format} reads records from --input files (.jsonl or .parquet)")
         if args.input:
             spec = paths.resolve_inputs(args.input, "--input")
+            chat = chat_settings(args, tokenizer)
+            if args.show > 0:
+                return show_records(spec, chat, tokenizer, args.seq_len, args.show)
             plan = text_plan(
                 spec, tokenizer, args.seq_len, args.validation_fraction, args.text_key, "--input",
-                "--validation-fraction", "--tokenizer",
+                "--validation-fraction", "--tokenizer", chat,
             )  # fmt: skip
         else:
             if args.tfds_splits.count(",") != 1:
@@ -82,12 +99,54 @@ def main(argv: list[str] | None = None) -> None:
             f"the shard that finishes last writes {output}/meta.json"
         )
         return
+    if "chat_counts" in meta:
+        c = meta["chat_counts"]
+        print(
+            f"{c['conversations']:,} {args.format} records, {c['replies']:,} replies ({args.turns}); over-long "
+            f"(> seq_len + 1 = {args.seq_len + 1} tokens): {c['dropped']:,} dropped, {c['truncated']:,} truncated"
+        )
     print(
         f"wrote {meta['records']['train']:,} train and {meta['records']['validation']:,} validation records "
         f"({meta['tokens']['train']:,} + {meta['tokens']['validation']:,} tokens, vocab {meta['vocab_size']}) "
         f"to {output}; train with --config.data.source=text --config.data.path={output} "
         f"--config.data.seq_len={args.seq_len} --config.model.vocab_size={meta['vocab_size']} (or larger)"
     )
+
+
+def chat_settings(args: Any, tokenizer_spec: str) -> dict[str, Any] | None:
+    """The preparation's chat settings (None for text), every choice checked before any work."""
+    from fbt_jax.data.conversations import settings
+    from fbt_jax.data.tokenizers import load_tokenizer
+
+    if args.format == "text":
+        if args.chat_template or args.show:
+            raise ConfigError("--chat-template and --show are for --format=chat or prompt-completion")
+        return None
+    fields = tuple(f.strip() for f in args.fields.split(",") if f.strip())
+    template = paths.resolve(args.chat_template, "--chat-template") if args.chat_template else None
+    tokenizer = load_tokenizer(tokenizer_spec, "--tokenizer")
+    return settings(args.format, tokenizer, template, fields, args.turns, args.overlong)
+
+
+def show_records(spec: str, chat: dict[str, Any], tokenizer_spec: str, seq_len: int, count: int) -> None:
+    """`--show=N`: the first N records as they would be trained, one JSON line each ({"ids", "loss_weights"}),
+    then a readable view with the trained text between ⟦ and ⟧. Writes nothing."""
+    from fbt_jax.data.conversations import ConversationEncoder
+    from fbt_jax.data.sources import list_inputs, read_documents
+    from fbt_jax.data.tokenizers import load_tokenizer
+
+    encoder = ConversationEncoder(chat, load_tokenizer(tokenizer_spec, "--tokenizer"), seq_len)
+    views = []
+    for file in list_inputs(spec, "--input"):
+        for where, values in read_documents(file, tuple(chat["keys"]), "--input"):
+            line, view = encoder.show(where, values)
+            print(json.dumps(line), flush=True)
+            views.append(f"--- {where}: {len(line['ids'])} tokens, {sum(line['loss_weights'])} trained\n{view}")
+            if len(views) == count:
+                break
+        if len(views) == count:
+            break
+    print("\n".join(views))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@
 
 meta.json names every records file of each split in order, with its size, checksum, records,
 documents and tokens, beside the tokenizer (name, identity, vocabulary, end/beginning-of-document
-ids), seq_len and per-split totals. Training reads a split's files as one random-access set of
+ids), seq_len and per-split totals; chat data (format 3) also its `chat` settings and `record_rows`. Training reads a split's files as one random-access set of
 records, so the batch of any step can be rebuilt from the step number alone. Directories written
 by the first format (one `<split>.array_record` each) are still read.
 """
@@ -34,7 +34,8 @@ from fbt_jax.data.packing import record_to_example, records_to_examples
 from fbt_jax.errors import ConfigError, describe
 
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+CHAT_FORMAT_VERSION = 3  # records with a third row, each token's trained flag (packing.py); older code refuses it
+READABLE_VERSIONS = (1, 2, 3)
 SPLIT_NAMES = ("train", "validation")
 
 
@@ -163,6 +164,8 @@ class PackedRecords:
         self.meta = read_meta(directory)
         self.seq_len = self.meta["seq_len"]
         self.vocab_size = self.meta["vocab_size"]
+        self.rows = int(self.meta.get("record_rows", 2))  # 3: chat records (token ids, segment ids, trained)
+        self.chat = self.rows == 3  # its examples carry a fuse mask
         files = split_files(self.meta, split)
         self.paths = [os.path.join(directory, name) for name, _ in files]
         self.path = self.paths[0] if len(self.paths) == 1 else os.path.join(directory, f"*.{split}.array_record")
@@ -183,7 +186,7 @@ class PackedRecords:
                 starts = self._records.starts  # where each file's records begin, as its reader counts them
                 probe = sorted({int(i) for s, e in zip(starts[:-1], starts[1:]) if e > s for i in (s, e - 1)})
                 for index, record in zip(probe, self._records.__getitems__(probe)):
-                    if len(record) != 2 * (self.seq_len + 1) * 4:
+                    if len(record) != self.rows * (self.seq_len + 1) * 4:
                         raise ValueError(f"record {index} has {len(record)} bytes")
             except Exception as err:  # the reader raises assorted types for unreadable or corrupt files
                 raise ConfigError(
@@ -204,7 +207,7 @@ class PackedRecords:
         checked whole when opened) is one line, not the reader's traceback."""
         try:
             raw = self._records.__getitems__(indices)
-            size = 2 * (self.seq_len + 1) * 4
+            size = self.rows * (self.seq_len + 1) * 4
             bad = next((i for i, r in zip(indices, raw) if len(r) != size), None)
             if bad is not None:
                 raise ValueError(f"record {bad} has {len(raw[indices.index(bad)])} bytes, not {size}")
@@ -215,8 +218,8 @@ class PackedRecords:
         return raw
 
     def _record(self, index: int) -> np.ndarray:
-        """(2, seq_len + 1): token ids and segment ids."""
-        return np.frombuffer(self._read([int(index)])[0], np.int32).reshape(2, self.seq_len + 1)
+        """(rows, seq_len + 1): token ids, segment ids (and trained flags)."""
+        return np.frombuffer(self._read([int(index)])[0], np.int32).reshape(self.rows, self.seq_len + 1)
 
     def example(self, index: int) -> dict[str, np.ndarray]:
         return record_to_example(self._record(index))
@@ -224,7 +227,7 @@ class PackedRecords:
     def examples(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         """A batch of examples, each key (len(indices), T), read in one batched lookup."""
         raw = self._read([int(i) for i in indices])
-        stacked = np.frombuffer(b"".join(raw), np.int32).reshape(len(raw), 2, self.seq_len + 1)
+        stacked = np.frombuffer(b"".join(raw), np.int32).reshape(len(raw), self.rows, self.seq_len + 1)
         return records_to_examples(stacked)
 
     def __getstate__(self) -> dict[str, Any]:

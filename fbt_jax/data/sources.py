@@ -25,14 +25,12 @@ from typing import IO, Any
 import fsspec
 import zstandard
 
+from fbt_jax.data.streams import MAGIC, SUFFIXES, ZstdStream, check_magic
 from fbt_jax.errors import ConfigError, describe
 from fbt_jax.paths import is_url
 
-SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
-_MAGIC = {".jsonl.gz": ("gzip", b"\x1f\x8b"), ".jsonl.zst": ("zstd", b"\x28\xb5\x2f\xfd")}
 _PARQUET_BATCH_ROWS = 256  # documents per parquet batch: bounds the Python objects alive at once
 _NO_MATCH = "matches no file; check the path, or give a glob of corpus files, e.g. 'corpus/**/*.jsonl.zst'"
-_ZSTD_OUTPUT = 1 << 18  # about this many decompressed bytes per step (see `_ZstdStream`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,13 +59,23 @@ def list_inputs(spec: str, flag: str = "data.path") -> list[InputFile]:
     return sorted(files.values(), key=lambda f: f.path)
 
 
-def read_documents(file: InputFile | str, text_key: str = "text", flag: str = "data.path") -> Iterator[str]:
+def read_documents(
+    file: InputFile | str, text_key: str | tuple[str, ...] = "text", flag: str = "data.path"
+) -> Iterator:
     """The documents of one file, as a stream: for .jsonl/.jsonl.gz/.jsonl.zst the `text_key` string
     of each line's JSON object (blank lines skipped); for .parquet the `text_key` column, batch by
     batch of each row group, never the whole table; any other file is one document (UTF-8). Empty
-    documents are yielded as they are: the caller decides."""
+    documents are yielded as they are: the caller decides.
+
+    With several keys (chat records: `messages`; or a prompt and a completion), each document is
+    (where, {key: value}): the record's location ("path:line", "path row r") for the errors its
+    values may still earn, and its values, of any JSON type; a record lacking a key is an error here."""
     path = file.path if isinstance(file, InputFile) else str(file)
     kind = _kind(path)
+    if kind == ".txt" and isinstance(text_key, tuple):
+        raise ConfigError(
+            f"{path} is a text file, but records with {list(text_key)} are read from .jsonl or .parquet files"
+        )
     with _open_checked(path, flag) as raw:
         number, offset = 0, 0  # the line reached and its byte offset (in the decompressed data)
         try:
@@ -77,22 +85,22 @@ def read_documents(file: InputFile | str, text_key: str = "text", flag: str = "d
                 yield _utf8(raw.read(), path, flag, f"text file {path}", 0)
             else:
                 lines = raw  # binary lines, decoded one by one: errors then name the file's byte offset
-                if kind in _MAGIC:
-                    _check_magic(raw, path, kind, flag)
-                    lines = gzip.GzipFile(fileobj=raw) if kind == ".jsonl.gz" else io.BufferedReader(_ZstdStream(raw))
+                if kind in MAGIC:
+                    check_magic(raw, path, kind, flag)
+                    lines = gzip.GzipFile(fileobj=raw) if kind == ".jsonl.gz" else io.BufferedReader(ZstdStream(raw))
                 for number, line in enumerate(lines, start=1):
                     try:
                         text = _json_text(line, f"{path}:{number}", offset, text_key, flag) if line.strip() else None
                     except ConfigError:  # damaged data can decode to garbage before its checksum fails: check that
-                        collections.deque(lines if kind in _MAGIC else (), maxlen=0)
+                        collections.deque(lines if kind in MAGIC else (), maxlen=0)
                         raise
                     if text is not None:
                         yield text
                     offset += len(line)
         except (EOFError, zlib.error, gzip.BadGzipFile, zstandard.ZstdError) as err:
-            name = _MAGIC[kind][0]
+            name = MAGIC[kind][0]
             what = f"damaged: bad {name} data ({describe(err, 120)})"
-            if isinstance(err, EOFError):  # gzip's and `_ZstdStream`'s: the data stops inside a compressed stream
+            if isinstance(err, EOFError):  # gzip's and `ZstdStream`'s: the data stops inside a compressed stream
                 what = f"truncated: its {name} data ends mid-stream"
             raise ConfigError(
                 f"{path} is {what}, after {number} line(s) (at compressed byte {raw.tell()}); re-download it or drop "
@@ -102,7 +110,7 @@ def read_documents(file: InputFile | str, text_key: str = "text", flag: str = "d
             raise _cannot_read(path, err, flag) from None
 
 
-def check_input(file: InputFile | str, text_key: str = "text", flag: str = "data.path") -> None:
+def check_input(file: InputFile | str, text_key: str | tuple[str, ...] = "text", flag: str = "data.path") -> None:
     """Cheap checks of one file before any work, reading only its start: a .parquet file's schema
     has a string column `text_key`; a .gz/.zst file starts with its format's magic bytes; the first
     record of a .jsonl (compressed or not) holds a `text_key` string; a text file starts as UTF-8.
@@ -118,8 +126,8 @@ def check_input(file: InputFile | str, text_key: str = "text", flag: str = "data
         try:
             if kind == ".parquet":
                 _parquet_file(raw, path, text_key, flag)
-            elif kind in _MAGIC:
-                _check_magic(raw, path, kind, flag)
+            elif kind in MAGIC:
+                check_magic(raw, path, kind, flag)
             else:
                 head = raw.read(TEXT_HEAD_BYTES)
                 try:  # incremental: a character cut at the end of what was read is no error
@@ -250,8 +258,20 @@ def _utf8(data: bytes, path: str, flag: str, where: str, offset: int) -> str:
         ) from None
 
 
-def _json_text(line: bytes, where: str, offset: int, text_key: str, flag: str) -> str:
+def _json_text(line: bytes, where: str, offset: int, text_key: str | tuple[str, ...], flag: str) -> Any:
     decoded = _utf8(line, where, flag, where, offset)
+    if isinstance(text_key, tuple):
+        try:
+            value = json.loads(decoded)
+        except json.JSONDecodeError:
+            value = None
+        missing = [key for key in text_key if not isinstance(value, dict) or key not in value]
+        if missing:
+            raise ConfigError(
+                f"{where} is not a JSON object with {' and '.join(map(repr, missing))}; write one object per line "
+                f"with {', '.join(map(repr, text_key))}, name the fields that hold them, or drop the file from {flag}"
+            )
+        return where, {key: value[key] for key in text_key}
     try:
         text = json.loads(decoded)[text_key]
     except (json.JSONDecodeError, KeyError, TypeError, IndexError):
@@ -264,49 +284,7 @@ def _json_text(line: bytes, where: str, offset: int, text_key: str, flag: str) -
     return text
 
 
-def _check_magic(raw: IO[bytes], path: str, kind: str, flag: str) -> None:
-    name, magic = _MAGIC[kind]
-    head = raw.read(4)
-    raw.seek(0)
-    skippable = kind == ".jsonl.zst" and len(head) == 4 and head[0] & 0xF0 == 0x50 and head[1:] == b"\x2a\x4d\x18"
-    if not head.startswith(magic) and not skippable:
-        raise ConfigError(
-            f"{path} is not a {name} file (it starts with {head!r}); re-download it, or rename it to match its "
-            f"format ({', '.join(SUFFIXES)}), or drop it from {flag}"
-        )
-
-
-class _ZstdStream(io.RawIOBase):
-    """Decompressed zstd frames, one after another; EOFError where a frame is cut. zstandard's `stream_reader`
-    (0.25) ends a cut frame silently, as if the file were shorter; a `decompressobj` tells (`eof`), but returns
-    all the output of its input at once: input goes in steps sized to yield about `_ZSTD_OUTPUT` bytes each."""
-
-    def __init__(self, raw: IO[bytes]):
-        self._raw, self._frame, self._step, self._input, self._output = raw, None, 256, b"", memoryview(b"")
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        while not self._output:
-            chunk = self._input or self._raw.read(self._step)
-            if not chunk:
-                if self._frame is not None and not self._frame.eof:
-                    raise EOFError("zstd data ended before the end of its frame")
-                return 0
-            if self._frame is None or self._frame.eof:
-                self._frame = zstandard.ZstdDecompressor().decompressobj()
-            output = self._frame.decompress(chunk)
-            self._input = self._frame.unused_data if self._frame.eof else b""  # the start of the next frame
-            ratio = len(output) / len(chunk)  # 0 until a block is complete: then feed twice as much
-            self._step = max(256, min(1 << 16, int(_ZSTD_OUTPUT / ratio) if ratio else 2 * self._step))
-            self._output = memoryview(output)
-        size = min(len(buffer), len(self._output))
-        buffer[:size], self._output = self._output[:size], self._output[size:]
-        return size
-
-
-def _parquet_file(raw: IO[bytes], path: str, text_key: str, flag: str) -> Any:
+def _parquet_file(raw: IO[bytes], path: str, text_key: str | tuple[str, ...], flag: str) -> Any:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -317,6 +295,14 @@ def _parquet_file(raw: IO[bytes], path: str, text_key: str, flag: str) -> Any:
             f"{path} is not a Parquet file, or is damaged ({describe(err, 120)}); re-download it or drop it from {flag}"
         ) from None
     schema = parquet.schema_arrow
+    if isinstance(text_key, tuple):
+        missing = [key for key in text_key if key not in schema.names]
+        if missing:
+            raise ConfigError(
+                f"{path} has no column {missing[0]!r}; its columns are {schema.names}: name the columns that hold "
+                f"{', '.join(map(repr, text_key))}, or drop the file from {flag}"
+            )
+        return parquet
     if text_key not in schema.names:
         raise ConfigError(
             f"{path} has no column {text_key!r}; its columns are {schema.names}: set the text key to the one "
@@ -332,12 +318,18 @@ def _parquet_file(raw: IO[bytes], path: str, text_key: str, flag: str) -> Any:
     return parquet
 
 
-def _parquet_documents(parquet: Any, path: str, text_key: str, flag: str) -> Iterator[str]:
+def _parquet_documents(parquet: Any, path: str, text_key: str | tuple[str, ...], flag: str) -> Iterator:
     import pyarrow as pa
 
     row = 0
     try:
-        for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[text_key]):
+        keys = list(text_key) if isinstance(text_key, tuple) else [text_key]
+        for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=keys):
+            if isinstance(text_key, tuple):
+                for values in batch.to_pylist():
+                    yield f"{path} row {row}", values
+                    row += 1
+                continue
             for text in batch.column(0).to_pylist():
                 if text is None:
                     where = f"{path} row {row} (from 0): the {text_key!r} column is null"

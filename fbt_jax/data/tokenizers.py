@@ -186,6 +186,7 @@ class HuggingFaceTokenizer(_Reloaded):
         head, tail = full[:start], full[start + len(plain) :]
         settings = _special_settings(path, flag) if directory else {}
         special = {t.content: i for i, t in sorted(self._tok.get_added_tokens_decoder().items()) if t.special}
+        self.special_ids = frozenset(special.values())  # what ends a reply in a chat template's render
         # Without a config naming it, eos is the special token the post-processor ends texts with, else a known name.
         ends = [token for token, i in special.items() if tail[-1:] == [i]]
         eos_token = settings.get("eos_token") or next((n for n in [*ends, *EOS_NAMES] if n in special), None)
@@ -238,6 +239,15 @@ class HuggingFaceTokenizer(_Reloaded):
     def encode_plain(self, text: str) -> list[int]:
         """The text's ids with no special token added (a chat template writes its own)."""
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """`encode_plain`'s ids and each one's character span in `text` (what a chat mask is made from)."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
+    def decode_all(self, ids: Any) -> str:
+        """The text of ids, special tokens written out (what a chat template wrote)."""
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def token_string(self, token_id: int) -> str:
         return self._tok.id_to_token(token_id)

@@ -1,17 +1,19 @@
 """Text on the server side: prompts to ids and ids to text with the run's tokenizer (as fbt-decode
-reads and writes them), stop strings, the text a stream may send so far, and chat templates.
+reads and writes them), stop strings, the text a stream may send so far; chat templates are rendered as
+training renders them (`data/chat.py`).
 
 A run trained on a built-in task has no text: its prompts and outputs are space-separated token ids.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from fbt_jax.data.chat import ChatTemplate, chat_template
 from fbt_jax.evals import generation
+
+__all__ = ["ChatTemplate", "Codec", "chat_template", "cut_at_stop", "sendable", "stop_check"]  # templates: data/chat.py
 
 REPLACEMENT = "\ufffd"  # what an incomplete UTF-8 sequence decodes to: held back until it completes
 
@@ -76,68 +78,3 @@ def sendable(text: str, stops: Sequence[str], finished: bool) -> str:
         if any(s.startswith(text[-size:]) for s in stops):
             return text[:-size]
     return text
-
-
-def _tokenizer_config(tokenizer: Any) -> tuple[str | None, dict[str, Any]]:
-    """(the directory a Hugging Face tokenizer was saved in, its tokenizer_config.json or {})."""
-    name = getattr(tokenizer, "name", None)
-    if not isinstance(name, str) or not os.path.exists(name):
-        return None, {}
-    directory = name if os.path.isdir(name) else os.path.dirname(name)
-    config = os.path.join(directory, "tokenizer_config.json")
-    if not os.path.isfile(config):
-        return directory, {}
-    with open(config, encoding="utf-8") as f:
-        values = json.load(f)
-    return directory, values if isinstance(values, dict) else {}
-
-
-def chat_template(tokenizer: Any) -> str | None:
-    """The chat template saved with a Hugging Face tokenizer directory (chat_template.jinja, or
-    tokenizer_config.json's `chat_template`), else None: base models have none."""
-    directory, config = _tokenizer_config(tokenizer)
-    if directory and os.path.isfile(os.path.join(directory, "chat_template.jinja")):
-        with open(os.path.join(directory, "chat_template.jinja"), encoding="utf-8") as f:
-            return f.read()
-    template = config.get("chat_template")
-    if isinstance(template, list):  # named templates: the default one
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-    return template if isinstance(template, str) else None
-
-
-def _special(config: dict[str, Any], key: str, fallback: str) -> str:
-    value = config.get(key)
-    value = value.get("content") if isinstance(value, dict) else value
-    return value if isinstance(value, str) else fallback
-
-
-class ChatTemplate:
-    """A tokenizer's chat template rendered as transformers renders it (a sandboxed Jinja
-    environment), its text then encoded without special tokens added (the template writes them)."""
-
-    def __init__(self, source: str, tokenizer: Any):
-        from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message: str) -> None:
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
-        env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
-        env.globals["raise_exception"] = raise_exception
-        self.template, self.tokenizer = env.from_string(source), tokenizer
-        # The template writes the special tokens by name, as transformers passes them: the config's.
-        _, config = _tokenizer_config(tokenizer)
-        bos = tokenizer.token_string(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
-        self.specials = {
-            "bos_token": _special(config, "bos_token", bos),
-            "eos_token": _special(config, "eos_token", tokenizer.token_string(tokenizer.eos_id)),
-        }
-
-    def render(self, messages: list[dict[str, str]]) -> str:
-        return self.template.render(messages=messages, add_generation_prompt=True, **self.specials)
-
-    def encode(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.tokenizer.encode_plain(self.render(messages))

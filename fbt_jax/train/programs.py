@@ -46,8 +46,10 @@ class TrainPrograms:
         devices: list,
         packed: bool,
         log: Any = print,
+        chat: bool = False,
     ):
         self.config, self.schedule, self.packed, self.log = config, schedule, packed, log
+        self.chat = chat  # batches carry a per-token fuse mask (chat data: conversations.py)
         self.rules = sharding.parse_rules(config.sharding.rules)
         self.mesh = sharding.make_mesh(config.mesh, devices)
         self.batch_sharding = sharding.batch_sharding(self.mesh, self.rules)
@@ -115,6 +117,8 @@ class TrainPrograms:
         dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "weights": jnp.float32}
         if self.packed:
             dtypes |= {"segment_ids": jnp.int32, "positions": jnp.int32}
+        if self.chat:
+            dtypes |= {"fuse": jnp.int32}
         return {k: jax.ShapeDtypeStruct(shape, dt, sharding=self.batch_sharding) for k, dt in dtypes.items()}
 
     def compile(self, pass_counts: tuple[int, ...] | None = None) -> dict[str, dict[str, float]]:

@@ -18,7 +18,7 @@ import optax
 from flax import nnx, struct
 
 from fbt_jax.contraction import pass_change_sums
-from fbt_jax.feedback import PassOptions, draw_fuse_from, kpass_forward, kpass_loss
+from fbt_jax.feedback import PassOptions, data_fuse, draw_fuse_from, kpass_forward, kpass_loss
 from fbt_jax.layers import default_positions
 from fbt_jax.losses import readout_stats
 from fbt_jax.train.learning_rate import learning_rate, schedule_constants, schedule_of
@@ -110,16 +110,19 @@ def train_step(
     fuse_from_B = draw_fuse_from(
         fuse_rng, batch["inputs"].shape[0], settings.prefix_mixin_prob, settings.fuse_from_min, settings.fuse_from_max
     )
+    # Chat data fuses its replies and reads its prompts plainly, token by token (docs/post-training.md):
+    # the mask is data, so the program is the same whatever the data says.
+    fuse = fuse_from_B if "fuse" not in batch else data_fuse(batch["fuse"], fuse_from_B, _positions(batch))
 
     def loss_fn(params: nnx.State, part: dict[str, jax.Array], weight_total: jax.Array | None) -> tuple:
         model = nnx.merge(graphdef, params)
-        examples = {k: v for k, v in part.items() if k != "fuse_from"}  # with "rows": their place in the batch
+        examples = {k: v for k, v in part.items() if k not in ("fuse_from", "fuse")}  # with "rows": their place
         options = settings.pass_options
         return kpass_loss(model, examples, part["fuse_from"], num_passes, options, noise_rng, weight_total=weight_total)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     rows_B = jnp.arange(batch["inputs"].shape[0], dtype=jnp.int32)
-    whole = {**batch, "fuse_from": fuse_from_B, "rows": rows_B}
+    whole = {**batch, "fuse_from": fuse, "rows": rows_B}
     if settings.microbatches == 1:
         (loss, metrics), grads = grad_fn(state.params, whole, None)
     else:
@@ -134,6 +137,10 @@ def train_step(
         "mean_fuse_from": jnp.mean(fuse_from_B.astype(jnp.float32)),
     }
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def _positions(batch: dict[str, jax.Array]) -> jax.Array:
+    return batch["positions"] if "positions" in batch else default_positions(batch["inputs"].shape)
 
 
 def accumulate(grad_fn: Any, params: nnx.State, whole: dict[str, jax.Array], microbatches: int) -> tuple:
@@ -164,17 +171,12 @@ def _held_out_passes(
     """States of passes 1..num_passes (no noise), each row fused from `fuse_from`, and the
     positions and fuse-from indices the contraction sums need."""
     fuse_from_B = jnp.full((batch["inputs"].shape[0],), fuse_from, jnp.int32)
-    positions_BT = batch.get("positions")
+    positions_BT = _positions(batch)
+    # Chat rows are fused where their data says (the contraction sums still count from `fuse_from`).
+    fuse = fuse_from_B if "fuse" not in batch else data_fuse(batch["fuse"], fuse_from_B, positions_BT)
     states = kpass_forward(
-        model,
-        batch["inputs"],
-        fuse_from_B,
-        num_passes,
-        positions_BT=positions_BT,
-        segment_ids_BT=batch.get("segment_ids"),
+        model, batch["inputs"], fuse, num_passes, positions_BT=positions_BT, segment_ids_BT=batch.get("segment_ids")
     )
-    if positions_BT is None:
-        positions_BT = default_positions(batch["inputs"].shape)
     return states, fuse_from_B, positions_BT
 
 

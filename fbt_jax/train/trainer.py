@@ -57,7 +57,10 @@ class Trainer:
         run_services.use_compilation_cache(
             cache_dir, run_services.compilation_cache_flag(config)
         )  # before anything compiles
-        self.programs = TrainPrograms(config, self.schedule, devices, self.sources["train"].packed, self.log)
+        train = self.sources["train"]
+        self.programs = TrainPrograms(
+            config, self.schedule, devices, train.packed, self.log, getattr(train, "chat", False)
+        )
         self.state: TrainState | None = None
         self._monitor_batch: dict[str, jax.Array] | None = None  # the contraction monitor's fixed batch
         self.resumed = False  # whether the state came from this run's own checkpoint
