@@ -59,6 +59,28 @@ RUNS = [
         "",
         '"mode": "soft"',
     ),
+    # docs/post-training.md: chat data shown, prepared, trained on (one reply per segment, fused from its start).
+    (
+        "chat",
+        "docs/post-training.md",
+        "fbt-prepare --input=tests/chat/sample.jsonl --output=runs/chat-data --seq-len=128 --tokenizer=tests/chat/tokenizer --format=chat --show=2",
+        "",
+        "⟦49 + 97 = 146.<|im_end|>⟧",
+    ),
+    (
+        "chat",
+        "docs/post-training.md",
+        "fbt-prepare --input=tests/chat/sample.jsonl --output=runs/chat-data --seq-len=128 --tokenizer=tests/chat/tokenizer --format=chat --validation-fraction=0.1",
+        "",
+        "300 chat records, 400 replies (split)",
+    ),
+    (
+        "chat",
+        "docs/post-training.md",
+        "fbt-train --config=configs/tiny.py --config.workdir=runs/chat --config.data.source=text --config.data.path=runs/chat-data --config.data.seq_len=128 --config.model.vocab_size=400 --config.optimizer.warmup_steps=4",
+        "--config.train.steps=30",
+        "trained 30 steps",
+    ),
     # docs/serving.md: the server in the background, queried by curl, drained by SIGTERM.
     (
         "tiny",
@@ -315,6 +337,7 @@ CREATED = {
     "text": ["runs/text", "prepared/stdlib-bpe", "prepared/stdlib-128", "prompts.txt", "gen.jsonl"],
     "launchers": ["runs/local2"],
     "sweeps": ["runs/sweeps"],
+    "chat": ["runs/chat-data", "runs/chat"],
     "interop": ["runs/llama-tiny", "runs/llama-tiny-feedback", "runs/llama-tiny-feedback-hf", "prepared/llama-tiny-64"],
     "dry-run-cpu": [],
     "dry-run-tpu": [],

@@ -229,3 +229,30 @@ def test_prefix_mixin_draws():
     assert always.min() == 3 and always.max() == 9 and len(np.unique(always)) == 7
     half = np.asarray(draw_fuse_from(rng, 4096, 0.5, 3, 9))
     assert 0.45 < np.mean(half >= 3) < 0.55
+
+
+def test_packed_conversations_fuse_each_reply_and_are_exact_where_the_recurrence_is(small_model):
+    """Chat rows (docs/post-training.md): three conversations packed in one row, each read plainly up to
+    its reply and fused from the reply's first token (a per-token mask). The sequential recurrence with
+    the mask equals each conversation alone fused from its prompt length (soft decoding of that prompt),
+    and pass k equals it exactly at each reply's first k − 1 tokens and before, and nowhere after."""
+    prompts, replies = (3, 2, 4), (4, 5, 3)
+    lengths = [p + r for p, r in zip(prompts, replies)]
+    tokens = _tokens(batch=1, length=sum(lengths) + 2, seed=7)  # two padding tokens at the end
+    segments = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)] + [np.zeros(2, int)])
+    positions = np.concatenate([np.arange(n) for n in lengths] + [np.arange(2)])
+    fuse = np.concatenate([np.r_[np.zeros(p, int), np.ones(r, int)] for p, r in zip(prompts, replies)] + [[0, 0]])
+    segments, positions, fuse = (jnp.asarray(x)[None] for x in (segments, positions, fuse))
+    reference = sequential_feedback(small_model, tokens, fuse, positions, segments)
+    starts = np.cumsum([0, *lengths])
+    for i, (prompt, start) in enumerate(zip(prompts, starts)):
+        alone = sequential_feedback(small_model, tokens[:, start : start + lengths[i]], jnp.array([prompt]))
+        assert float(jnp.max(jnp.abs(reference[:, start : start + lengths[i]] - alone))) <= 1e-4
+    for k in (1, 2, 3):
+        diff = _max_diff_per_position(
+            kpass_forward(small_model, tokens, fuse, k, positions_BT=positions, segment_ids_BT=segments)[-1], reference
+        )
+        for prompt, start, n in zip(prompts, starts, lengths):
+            exact_until = prompt + k - 1
+            assert diff[start : start + exact_until].max() <= 1e-4, (k, diff)
+            assert diff[start + exact_until : start + n].min() > 1e-3, (k, diff)  # the rest really differs

@@ -108,3 +108,41 @@ def test_microbatches_give_the_full_batch_update(tmp_path, num_passes):
         np.testing.assert_allclose(metrics["grad_norm"], full_metrics["grad_norm"], rtol=1e-5)
         for a, b in zip(jax.tree.leaves(full_state.params), jax.tree.leaves(state.params), strict=True):
             np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_chat_rows_fuse_where_their_data_says_and_mixed_pretraining_rows_as_drawn(small_model):
+    """A batch with a fuse mask (chat data): the step's loss is the K-pass loss fused where the data says
+    (its replies), whatever the drawn fuse-from; rows marked -1 (pretraining rows mixed with chat data)
+    are fused from their drawn fuse-from as without a mask: the same loss bits, and the same update to
+    float32 rounding (two programs: XLA fuses the backward of each differently)."""
+    from fbt_jax.feedback import kpass_loss
+    from fbt_jax.train.step import TrainState
+
+    config = load_config("tiny")
+    config.passes.prefix_mixin_prob, config.passes.fuse_from_min, config.passes.fuse_from_max = 1.0, 3, 5
+    config.passes.noise_std = 0.0
+    graphdef, params = nnx.split(small_model, nnx.Param)
+    tx = optimizer_with(config, make_optimizer(config)[1])
+    state = TrainState(step=jnp.asarray(3, jnp.int32), params=params, opt_state=tx.init(params))
+    B, T = 4, 12
+    tokens = jax.random.randint(jax.random.PRNGKey(5), (B, T + 1), 0, 16)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": jnp.ones((B, T), jnp.float32),
+             "segment_ids": jnp.ones((B, T), jnp.int32), "positions": jnp.broadcast_to(jnp.arange(T), (B, T))}  # fmt: skip
+    fuse_BT = (jnp.arange(T) >= jnp.array([[2], [6], [9], [4]])).astype(jnp.int32)  # each row's reply
+    constants = {k: jnp.asarray(v) for k, v in step_constants_of(config).items()}
+    step = jax.jit(functools.partial(train_step, graphdef=graphdef, make_tx=functools.partial(optimizer_with, config),
+                                     settings=step_settings(config), num_passes=2))  # fmt: skip
+    _, chat = step(state, {**batch, "fuse": fuse_BT}, constants)
+    want, _ = kpass_loss(small_model, batch, fuse_BT, 2)
+    assert float(chat["loss"]) == pytest.approx(float(want), rel=1e-6)
+    plain_state, plain = step(state, batch, constants)
+    mixed_state, mixed = step(state, {**batch, "fuse": jnp.full((B, T), -1, jnp.int32)}, constants)
+    assert float(mixed["loss"]) == float(plain["loss"]) != float(chat["loss"])
+    for a, b in zip(jax.tree.leaves(plain_state), jax.tree.leaves(mixed_state)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def step_constants_of(config):
+    from fbt_jax.train.step import step_constants
+
+    return step_constants(config)

@@ -28,7 +28,9 @@ class RecordPacker:
         """The records that `doc` completes (int32, (rows, seq_len + 1): token ids, segment ids, then the
         rows after a document's ids: `doc` is (n,) ids, or (rows - 1, n) with its ids first)."""
         done = []
-        doc = np.asarray(doc, np.int32).reshape(self.rows - 1, -1)
+        doc = np.atleast_2d(np.asarray(doc, np.int32))
+        if doc.shape[0] != self.rows - 1:
+            raise ValueError(f"a document of {doc.shape[0]} rows packed into records of {self.rows}")
         while doc.shape[1]:
             room = self.length - self.fill
             if doc.shape[1] > room and self.fill > 0 and doc.shape[1] <= self.length:
@@ -54,9 +56,9 @@ class RecordPacker:
         return done
 
 
-def pack_documents(documents: Iterable[np.ndarray], seq_len: int) -> Iterator[np.ndarray]:
-    """Yield int32 records of shape (2, seq_len + 1): row 0 token ids, row 1 segment ids."""
-    packer = RecordPacker(seq_len)
+def pack_documents(documents: Iterable[np.ndarray], seq_len: int, rows: int = 2) -> Iterator[np.ndarray]:
+    """Yield int32 records of shape (rows, seq_len + 1): row 0 token ids, row 1 segment ids (row 2 trained flags)."""
+    packer = RecordPacker(seq_len, rows)
     for doc in documents:
         yield from packer.add(doc)
     yield from packer.finish()

@@ -96,8 +96,11 @@ def tagged(template):
 
 
 def untagged(template):
-    return template.replace("{%- GEN %}", "").replace("{%- ENDGEN %}", "").replace("{% GEN %}", "").replace(
-        "{% ENDGEN %}", ""
+    return (
+        template.replace("{%- GEN %}", "")
+        .replace("{%- ENDGEN %}", "")
+        .replace("{% GEN %}", "")
+        .replace("{% ENDGEN %}", "")
     )
 
 
@@ -123,7 +126,10 @@ def make_tokenizer(directory):
     )  # fmt: skip
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=400,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer)
     os.makedirs(directory, exist_ok=True)
