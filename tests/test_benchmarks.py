@@ -32,6 +32,7 @@ BENCHMARKS = {
     "restart_cost": "start_up",
     "harness_cost": "results",
     "serve_throughput": "results",
+    "tuning_cost": "ratio",
 }
 # These quote what a command printed (a fenced text block) rather than a table.
 QUOTES_OUTPUT = {"first_run", "dry_run_memory"}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -73,6 +74,24 @@ def chat_template(tokenizer: Any, path: str | None = None) -> str | None:
     if isinstance(template, list):  # named templates: the default one
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     return template if isinstance(template, str) else None
+
+
+def run_chat_template(config: Any, tokenizer: Any, log: Any = print) -> str | None:
+    """The template a run was tuned with: the one its chat data was prepared with (meta.json's `chat`, which
+    `--chat-template` may have set), else its tokenizer's own (a base model's: usually None). Data no longer
+    reachable from here falls back to the tokenizer's, said in `log`."""
+    from fbt_jax.data.plan import named_paths, read_meta_once
+
+    for _, path, _ in named_paths(config.data):
+        try:
+            meta = read_meta_once(path) if path else None
+        except ConfigError:
+            meta = None
+            log(f"the run's data {path} cannot be read here: using its tokenizer's own chat template")
+        template = ((meta or {}).get("chat") or {}).get("template")
+        if template is not None:
+            return template
+    return chat_template(tokenizer)
 
 
 def _special(config: dict[str, Any], key: str) -> str | None:
@@ -179,6 +198,18 @@ class ChatTemplate:
         }
         named = {key: _special(config, key) or fallback.get(key) for key in SPECIAL_NAMES}
         self.specials = {key: value for key, value in named.items() if value is not None}
+
+    @functools.cached_property
+    def end_of_turn_ids(self) -> tuple[int, ...]:
+        """The special token that ends a reply (a generation stops there), from a probe conversation's render:
+        () where the template ends replies with no special token."""
+        probe = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
+        try:
+            conversation = self.conversation(probe)
+        except ConfigError:
+            return ()
+        last = int(conversation.ids[conversation.replies[-1][1] - 1])
+        return (last,) if last in self.tokenizer.special_ids else ()
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> tuple[str, list]:
         """The text of a conversation and the character spans of its `{% generation %}` blocks."""

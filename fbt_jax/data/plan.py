@@ -106,7 +106,7 @@ def plan_data(config: Any, read_data: bool = True) -> DataPlan:
         origin = f"data.task={data.task!r}" + (f", data.group={data.group!r}" if data.task == "word_problem" else "")
         return DataPlan(**common, task=task, vocab_size=task.vocab_size, vocab_origin=origin)
     if not read_data:
-        datasets = tuple(Dataset(n, p, w) for n, p, w in _named_paths(data))
+        datasets = tuple(Dataset(n, p, w) for n, p, w in named_paths(data))
         return DataPlan(**common, datasets=datasets)
     if data.source == "mixture":
         if not data.mixture:
@@ -151,13 +151,13 @@ def plan_data(config: Any, read_data: bool = True) -> DataPlan:
         raise ConfigError(f"data.validation_fraction={data.validation_fraction} must be in [0, 1)")
     plan = DataPlan(
         **common,
-        datasets=tuple(Dataset(n, p, w) for n, p, w in _named_paths(data)),
+        datasets=tuple(Dataset(n, p, w) for n, p, w in named_paths(data)),
         vocab_origin=f"data.tokenizer={data.tokenizer!r}",
     )
     return dataclasses.replace(plan, vocab_size=plan.tokenizer.vocab_size)
 
 
-def _named_paths(data: Any) -> list[tuple[str, str, float]]:
+def named_paths(data: Any) -> list[tuple[str, str, float]]:
     if data.source == "mixture":
         return parse_mixture(data.mixture) if data.mixture else []
     if data.source == "text":

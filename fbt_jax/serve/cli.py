@@ -79,12 +79,13 @@ def check_args(args: Any) -> tuple[int, ...]:
 
 def load(args: Any, buckets: tuple[int, ...], log: Any = print) -> Any:
     """Read the run, build its pool and compile every program: the server's state, ready to serve."""
+    from fbt_jax.data.chat import run_chat_template
     from fbt_jax.data.plan import plan_data
     from fbt_jax.run_services import use_run_cache
     from fbt_jax.serve.api import Served
     from fbt_jax.serve.metrics import Metrics
     from fbt_jax.serve.pool import Pool
-    from fbt_jax.serve.text import ChatTemplate, Codec, chat_template
+    from fbt_jax.serve.text import ChatTemplate, Codec
     from fbt_jax.trained import load_model
 
     divert_library_noise(os.devnull)  # storage libraries' thread tracebacks on damaged checkpoints
@@ -96,7 +97,7 @@ def load(args: Any, buckets: tuple[int, ...], log: Any = print) -> Any:
     if buckets and max(buckets) > context:
         raise ConfigError(f"--prefill-buckets: {max(buckets)} exceeds the context of {context} tokens; drop it")
     codec = Codec(data)
-    template = chat_template(codec.tokenizer)
+    template = run_chat_template(config, codec.tokenizer, log) if codec.tokenizer is not None else None
     name = args.name or os.path.basename(os.path.normpath(checkpoint)) or "fbt"
     pool = Pool(model, args.slots, context, buckets=buckets or None, prefill_passes=args.prefill_passes,
                 max_waiting=args.max_waiting, decode_steps=args.decode_steps, metrics=Metrics(args.slots))  # fmt: skip
@@ -105,6 +106,8 @@ def load(args: Any, buckets: tuple[int, ...], log: Any = print) -> Any:
     log(f"fbt-serve: compiled {programs} programs in {time.perf_counter() - started:.1f} s "
         f"({args.slots} slots, context {context}, prefill buckets {','.join(map(str, pool.buckets))})")  # fmt: skip
     chat = ChatTemplate(template, codec.tokenizer) if template else None
+    if chat is not None:  # a tuned model ends its reply with the template's end-of-turn: a generation stops there
+        codec.stop_ids = tuple(dict.fromkeys([*codec.stop_ids, *chat.end_of_turn_ids]))
     return Served(name, pool, codec, model.cfg.vocab_size, chat)
 
 
