@@ -37,6 +37,13 @@ def default_config() -> ml_collections.ConfigDict:
     c.data.path = ""
     c.data.tokenizer = "byte"  # byte | a SentencePiece .model | a tokenizer.json | a save_pretrained directory
     c.data.text_key = "text"  # the JSON field / Parquet column holding a document's text
+    # Chat data read from files (docs/post-training.md): text | chat | prompt-completion, the record fields,
+    # a chat template file ("" = the tokenizer's own), multi-turn rule split | joint, over-long rule drop | truncate
+    c.data.format = "text"
+    c.data.fields = ""
+    c.data.chat_template = ""
+    c.data.turns = "split"
+    c.data.overlong = "drop"
     c.data.validation_fraction = 0.01
     # source = mixture: prepared datasets with weights, "[name=]path:weight,..."
     c.data.mixture = ""

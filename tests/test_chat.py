@@ -183,3 +183,40 @@ def test_show_prints_what_is_trained_and_writes_nothing(tokenizer, tmp_path, cap
         assert json.loads(line) == {"ids": conversation.ids.tolist(), "loss_weights": conversation.trained.tolist()}
     assert "⟦2 + 3 = 5.<|im_end|>⟧" in "\n".join(lines[2:])
     assert not out.exists()
+
+
+def test_chat_files_train_through_data_source_text_with_their_settings_checked_first(tmp_path):
+    """data.format=chat on jsonl files: the plan carries the chat settings, and the records prepared on
+    first use are chat records; bad settings are one line naming the config field."""
+    from conftest import load_config
+
+    from fbt_jax.data.pipeline import make_source
+    from fbt_jax.data.plan import plan_data
+
+    config = load_config("tiny")
+    config.workdir = str(tmp_path / "run")
+    config.data.source, config.data.path = "text", os.path.join(HERE, "sample.jsonl")
+    config.data.format, config.data.tokenizer, config.data.seq_len = "chat", os.path.join(HERE, "tokenizer"), 128
+    config.data.validation_fraction = 0.1
+    plan = plan_data(config)
+    assert dict(plan.chat)["template"] == TEMPLATES["chatml_tagged"] and dict(plan.chat)["turns"] == "split"
+    source = make_source(plan, "train")
+    examples = source.examples(np.arange(4))
+    assert source.chat and set(examples["fuse"].ravel()) <= {0, 1} and examples["fuse"].any()
+    assert np.array_equal(examples["weights"][:, :-1] > 0, (examples["fuse"][:, 1:] > 0) & (examples["weights"][:, :-1] > 0))
+    for field, value, error in [("format", "chats", "data.format='chats' is not one of"),
+                                ("turns", "each", "data.turns='each' is not one of"),
+                                ("fields", "a,b,c", "data.fields='a,b,c'")]:  # fmt: skip
+        bad = load_config("tiny")
+        bad.data.update(source="text", path=config.data.path, format="chat", tokenizer=config.data.tokenizer)
+        bad.data[field] = value
+        with pytest.raises(ConfigError, match=error):
+            plan_data(bad)
+
+
+@pytest.mark.parametrize(
+    "name, end", [("chatml_tagged", "<|im_end|>"), ("zephyr_tagged", "</s>"), ("llama3_untagged", "<|eot_id|>")]
+)
+def test_a_served_reply_stops_at_the_templates_end_of_turn(tokenizer, name, end):
+    """fbt-serve stops a chat completion where the tuned model writes the end-of-turn its template ends replies with."""
+    assert ChatTemplate(TEMPLATES[name], tokenizer).end_of_turn_ids == (tokenizer._tok.token_to_id(end),)

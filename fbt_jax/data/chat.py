@@ -40,7 +40,9 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # one message
 # While a render records its generation blocks: (the blocks written so far, the spans found). A context
 # variable, so that threads rendering with one template at once (fbt-serve) each record their own.
 _RECORDING: contextvars.ContextVar = contextvars.ContextVar("chat_generation_spans", default=None)
-NO_TAGS_FIX = "give a template whose assistant turns are {% generation %} blocks (--chat-template=PATH)"
+NO_TAGS_FIX = (
+    "give a template whose assistant turns are {% generation %} blocks (--chat-template or data.chat_template)"
+)
 
 
 def tokenizer_config(tokenizer: Any) -> tuple[str | None, dict[str, Any]]:
@@ -65,7 +67,9 @@ def chat_template(tokenizer: Any, path: str | None = None) -> str | None:
             with open(path, encoding="utf-8") as f:
                 return f.read()
         except OSError as err:
-            raise ConfigError(f"--chat-template={path!r} cannot be read ({err.strerror}); give a Jinja file") from None
+            raise ConfigError(
+                f"the chat template {path!r} cannot be read ({err.strerror}); give a Jinja file"
+            ) from None
     directory, config = tokenizer_config(tokenizer)
     if directory and os.path.isfile(os.path.join(directory, "chat_template.jinja")):
         with open(os.path.join(directory, "chat_template.jinja"), encoding="utf-8") as f:
@@ -82,6 +86,8 @@ def run_chat_template(config: Any, tokenizer: Any, log: Any = print) -> str | No
     reachable from here falls back to the tokenizer's, said in `log`."""
     from fbt_jax.data.plan import named_paths, read_meta_once
 
+    if config.data.get("chat_template") and config.data.get("format", "text") != "text":  # chat files read directly
+        return chat_template(tokenizer, config.data.chat_template)
     for _, path, _ in named_paths(config.data):
         try:
             meta = read_meta_once(path) if path else None

@@ -39,32 +39,36 @@ def settings(
     keys: tuple[str, ...] = (),
     turns: str = "split",
     overlong: str = "drop",
+    flags: str = "--",
 ) -> dict[str, Any] | None:
     """What a preparation of chat or prompt–completion records fixes in its plan (None for text): the
     fields read, the template's text (or None: prompt and completion are then concatenated as text), the
     rules. Every choice is checked here, before any work."""
     if format not in FORMATS:
-        raise ConfigError(f"--format={format!r} is not one of {', '.join(FORMATS)}")
+        raise ConfigError(f"{_flag(flags, 'format')}={format!r} is not one of {', '.join(FORMATS)}")
     if format == "text":
         return None
-    if turns not in TURNS or overlong not in OVERLONG:
-        raise ConfigError(
-            f"--turns must be one of {TURNS} and --overlong one of {OVERLONG}, not {turns!r}, {overlong!r}"
-        )
+    for name, value, choices in (("turns", turns, TURNS), ("overlong", overlong, OVERLONG)):
+        if value not in choices:
+            raise ConfigError(f"{_flag(flags, name)}={value!r} is not one of {', '.join(choices)}")
     keys = tuple(keys) or (("messages",) if format == "chat" else ("prompt", "completion"))
     if len(keys) != (1 if format == "chat" else 2):
-        raise ConfigError(
-            f"--format={format} reads {'one field' if format == 'chat' else 'two fields'}, not {list(keys)}"
-        )
+        wanted = "one field (messages)" if format == "chat" else "two fields (prompt,completion)"
+        raise ConfigError(f"{_flag(flags, 'fields')}={','.join(keys)!r}: {format} records are read from {wanted}")
     template = chat_template(tokenizer, template_path)
     if template is not None:
         ChatTemplate(template, tokenizer)  # a template that does not compile, or a tokenizer it cannot use: now
     elif format == "chat":
         raise ConfigError(
-            f"--format=chat needs a chat template, and the tokenizer {getattr(tokenizer, 'name', tokenizer)!r} has none "
-            "(no chat_template.jinja, no chat_template in tokenizer_config.json); give one with --chat-template=PATH"
+            f"{_flag(flags, 'format')}=chat needs a chat template, and the tokenizer {getattr(tokenizer, 'name', tokenizer)!r} has none "
+            f"(no chat_template.jinja, no chat_template in tokenizer_config.json); give one with {_flag(flags, 'chat_template')}=PATH"
         )
     return {"format": format, "keys": list(keys), "template": template, "turns": turns, "overlong": overlong}
+
+
+def _flag(prefix: str, name: str) -> str:
+    """A setting's name as the user wrote it: `--chat-template` (fbt-prepare) or `data.chat_template`."""
+    return f"--{name.replace('_', '-')}" if prefix == "--" else f"{prefix}{name}"
 
 
 @dataclasses.dataclass

@@ -68,7 +68,8 @@ def _preparation(plan: DataPlan) -> dict[str, Any]:
     """The preparation of an unprepared text corpus or a TFDS dataset (see `documents`)."""
     if plan.source == "text":
         path = plan.datasets[0].path
-        return text_plan(path, plan.tokenizer_spec, plan.seq_len, plan.validation_fraction, plan.text_key)
+        chat = dict(plan.chat) if plan.chat else None
+        return text_plan(path, plan.tokenizer_spec, plan.seq_len, plan.validation_fraction, plan.text_key, chat=chat)
     name, data_dir, text_key, splits = plan.tfds
     return tfds_plan(name, data_dir, text_key, splits, plan.tokenizer_spec, plan.seq_len, "data.tokenizer")
 

@@ -52,6 +52,7 @@ class DataPlan:
     task: SyntheticTask | None = None  # source = task
     datasets: tuple[Dataset, ...] = ()  # text: one; mixture: its parts; task and tfds: none
     text_key: str = "text"
+    chat: tuple[tuple[str, Any], ...] | None = None  # chat files (conversations.settings), as items: immutable
     validation_fraction: float = 0.01
     tfds: tuple[str, str, str, tuple[str, str]] = ("", "", "text", ("train", "validation"))  # name, dir, key, splits
     cache_dir: str = ""  # where text/TFDS sources are prepared on first use
@@ -141,6 +142,8 @@ def plan_data(config: Any, read_data: bool = True) -> DataPlan:
         from fbt_jax.data.sources import list_inputs
 
         list_inputs(data.path)
+        chat = _chat_settings(data)
+        common.update(chat=tuple(sorted(chat.items())) if chat else None)
     elif not data.tfds_name:
         raise ConfigError("data.source='tfds' needs data.tfds_name (and data.tfds_data_dir)")
     elif not data.tfds_data_dir:
@@ -155,6 +158,17 @@ def plan_data(config: Any, read_data: bool = True) -> DataPlan:
         vocab_origin=f"data.tokenizer={data.tokenizer!r}",
     )
     return dataclasses.replace(plan, vocab_size=plan.tokenizer.vocab_size)
+
+
+def _chat_settings(data: Any) -> dict[str, Any] | None:
+    """data.format's settings for files of chat or prompt–completion records (None for text)."""
+    from fbt_jax.data.conversations import settings
+
+    if data.format == "text":
+        return None
+    fields = tuple(f.strip() for f in data.fields.split(",") if f.strip())
+    template = paths.resolve(data.chat_template, "data.chat_template") if data.chat_template else None
+    return settings(data.format, load_tokenizer(data.tokenizer), template, fields, data.turns, data.overlong, "data.")
 
 
 def named_paths(data: Any) -> list[tuple[str, str, float]]:
