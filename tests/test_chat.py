@@ -203,7 +203,9 @@ def test_chat_files_train_through_data_source_text_with_their_settings_checked_f
     source = make_source(plan, "train")
     examples = source.examples(np.arange(4))
     assert source.chat and set(examples["fuse"].ravel()) <= {0, 1} and examples["fuse"].any()
-    assert np.array_equal(examples["weights"][:, :-1] > 0, (examples["fuse"][:, 1:] > 0) & (examples["weights"][:, :-1] > 0))
+    assert np.array_equal(
+        examples["weights"][:, :-1] > 0, (examples["fuse"][:, 1:] > 0) & (examples["weights"][:, :-1] > 0)
+    )
     for field, value, error in [("format", "chats", "data.format='chats' is not one of"),
                                 ("turns", "each", "data.turns='each' is not one of"),
                                 ("fields", "a,b,c", "data.fields='a,b,c'")]:  # fmt: skip

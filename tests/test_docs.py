@@ -84,6 +84,13 @@ RUNS = [
     (
         "chat",
         "docs/post-training.md",
+        "fbt-eval --checkpoint=runs/chat --tasks=tests/chat/sums.json --chat --output=runs/chat/eval",
+        "",
+        "| sums | soft | 8 |",
+    ),
+    (
+        "chat",
+        "docs/post-training.md",
         "fbt-serve --checkpoint=runs/chat --port=8001 > chat-serve.log 2>&1 &   # reads the run and its template, compiles, listens",
         "",
         "",
@@ -112,7 +119,7 @@ RUNS = [
     (
         "chat",
         "docs/post-training.md",
-        """curl -s http://127.0.0.1:8001/v1/chat/completions -H "Content-Type: application/json" -d '{"model": "chat:standard", "messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 16, "temperature": 0}'""",
+        """curl -s http://127.0.0.1:8001/v1/chat/completions -H "Content-Type: application/json" -d '{"model": "chat", "messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 16, "temperature": 0}'""",
         "",
         '"role":"assistant"',
     ),

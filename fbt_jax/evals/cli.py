@@ -45,6 +45,9 @@ def parser() -> ArgumentParser:
         "--tasks", default="", help="built-in task names or spec files (SPEC[@PROBLEMS.jsonl]), comma-separated"
     )
     gen.add_argument("--modes", default="standard,soft,fused", help="decoding modes, comma-separated")
+    gen.add_argument(
+        "--chat", action="store_true", help="prompt as a user turn of the run's chat template (tuned runs)"
+    )
     gen.add_argument("--samples", type=int, default=1, help="generations per problem and mode (n of pass@k)")
     gen.add_argument("--pass-at", type=_ints, default=(1,), help="the k of pass@k, comma-separated (each <= --samples)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -170,6 +173,7 @@ def generative_settings(args: argparse.Namespace):
         context_len=args.context_len,
         sandbox=not args.no_sandbox,
         sandbox_timeout_s=args.sandbox_timeout,
+        chat=args.chat,
     )
     settings.check()
     return settings

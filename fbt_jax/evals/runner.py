@@ -39,6 +39,7 @@ class EvalSettings:
     context_len: int = 0  # 0: the run's data.seq_len
     sandbox: bool = True  # contain the programs of test-scored tasks (sandbox.py)
     sandbox_timeout_s: float = 10.0
+    chat: bool = False  # prompts as a user turn rendered by the run's chat template (a tuned model's)
 
     def check(self) -> None:
         """One-line errors for settings that cannot work, before anything is read."""
@@ -72,6 +73,7 @@ class Task:
     name: str
     spec: TaskSpec
     problems: list[Problem]
+    stop_ids: tuple[int, ...] = ()  # besides the end of document: the chat template's end-of-turn
 
 
 def row_seed(seed: int, task: str, problem: str, sample: int) -> int:
@@ -105,6 +107,7 @@ def check_task_files(settings: EvalSettings) -> None:
 def load_tasks(settings: EvalSettings, config: Any, tokenizer: Any) -> list[Task]:
     """Each task's problems, tokenised and checked against the context, before any decoding."""
     context = settings.context_len or config.data.seq_len
+    template = chat_prompts(config, tokenizer) if settings.chat else None
     tasks = []
     for arg in settings.tasks:
         name_or_spec, _, problems_path = arg.partition("@")
@@ -119,7 +122,8 @@ def load_tasks(settings: EvalSettings, config: Any, tokenizer: Any) -> list[Task
                     f"use --tasks={config.data.task}, or a checkpoint trained on text"
                 )
             problems = read_problems(spec, problems_path or spec.problems, settings.num_problems)
-            problems = [dataclasses.replace(p, prompt_ids=tuple(tokenizer.encode_prompt(p.prompt))) for p in problems]
+            encode = tokenizer.encode_prompt if template is None else lambda text: template.encode([user(text)])
+            problems = [dataclasses.replace(p, prompt_ids=tuple(encode(p.prompt))) for p in problems]
         # A built-in task's answer labels its last input: only its inputs take context.
         new = 0 if builtin.is_builtin(name_or_spec) else settings.max_new_tokens or spec.max_new_tokens
         for p in problems:
@@ -131,8 +135,25 @@ def load_tasks(settings: EvalSettings, config: Any, tokenizer: Any) -> list[Task
                 )
         if any(t.name == spec.name for t in tasks):
             raise ConfigError(f"task {spec.name} is named twice in --tasks")
-        tasks.append(Task(spec.name, spec, problems))
+        tasks.append(Task(spec.name, spec, problems, template.end_of_turn_ids if template else ()))
     return tasks
+
+
+def user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+def chat_prompts(config: Any, tokenizer: Any) -> Any:
+    """`--chat`: the template the run was tuned with (`chat.run_chat_template`), or one line saying there is none."""
+    from fbt_jax.data.chat import ChatTemplate, run_chat_template
+
+    source = run_chat_template(config, tokenizer) if tokenizer is not None else None
+    if source is None:
+        raise ConfigError(
+            "--chat: this run has no chat template (its data was not chat data, its tokenizer carries none); "
+            "evaluate without --chat"
+        )
+    return ChatTemplate(source, tokenizer)
 
 
 def claim_output(output: str, identity: dict[str, Any]) -> None:
@@ -234,7 +255,7 @@ def generate_all(
                 requests = [Request(p.prompt_ids, row_seed(settings.seed, task.name, p.id, s), p.forced)
                             for _, _, p, s in group]  # fmt: skip
                 new = settings.max_new_tokens or task.spec.max_new_tokens
-                stop_ids = () if builtin.is_builtin(task.name) else (tokenizer.eos_id,)
+                stop_ids = () if builtin.is_builtin(task.name) else (tokenizer.eos_id, *task.stop_ids)
                 detokenize = tokenizer.decode if tokenizer is not None else None
                 ids = generator.generate(requests, mode, new, sampling, stop_ids, task.spec.stop, detokenize)
                 texts = [render(task, tokenizer, i) for i in ids]
@@ -261,4 +282,6 @@ def render(task: Task, tokenizer: Any, ids: list[int]) -> str:
     """A generation's text: the token id for a built-in task, else the text before a stop sequence."""
     if builtin.is_builtin(task.name):
         return " ".join(map(str, ids))
+    if ids and ids[-1] in task.stop_ids:  # the end-of-turn a tuned model ends its reply with is not text
+        ids = ids[:-1]
     return cut_at_stop(tokenizer.decode(ids), task.spec.stop)
