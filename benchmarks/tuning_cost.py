@@ -125,9 +125,9 @@ def main() -> None:
          ["chat rows (per-token fuse mask, loss on replies)", docs_block.ms(step["tuning"]), f"{ratio:.2f}"]],
     )  # fmt: skip
     prep_table = docs_block.table(
-        ["preparation (in process, one core)", "records/s", "tokens/s"],
+        ["preparation (in this process)", "records/s", "tokens/s"],
         [["chat: template render, ids, trained flags", f"{prep['chat']['records']:.0f}", docs_block.rate(prep["chat"]["tokens"])],
-         ["text: the same rendered texts, encode_batch", f"{prep['text']['records']:.0f}", docs_block.rate(prep["text"]["tokens"])]],
+         ["text: the same rendered texts, encode_batch (parallel)", f"{prep['text']['records']:.0f}", docs_block.rate(prep["text"]["tokens"])]],
     )  # fmt: skip
     print(step_table + "\n\n" + prep_table)
     if args.write_docs:
@@ -136,7 +136,7 @@ def main() -> None:
             f"The step: {shape}, {rounds} interleaved rounds, medians. One compiled program runs every mask (the "
             "rounds feed it shifted masks): the mask is data, not a new program.",
             "Preparation renders each conversation through the Jinja template and encodes it with character "
-            "offsets (for the mask); text preparation encodes in parallel batches without offsets.",
+            "offsets (for the mask), one record at a time; text preparation encodes a batch with the library's parallel encoder (every core), without offsets.",
         ]
         body = docs_block.block(
             "tuning_cost", docs_block.run_arguments(sys.argv[1:]), machine, [step_table, prep_table], notes
