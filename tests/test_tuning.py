@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from conftest import ROOT, assert_same_state, cpu_env, losses, run_command, start_command, wait_for
 
-N = 12  # checkpoint interval; the runs go to 2N
+N = 8  # checkpoint interval; the runs go to 2N
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}Assistant:"
     "{% generation %} {{ m['content'] }}{{ eos_token }}{% endgeneration %}\n"

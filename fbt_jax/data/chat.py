@@ -80,26 +80,6 @@ def chat_template(tokenizer: Any, path: str | None = None) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def run_chat_template(config: Any, tokenizer: Any, log: Any = print) -> str | None:
-    """The template a run was tuned with: the one its chat data was prepared with (meta.json's `chat`, which
-    `--chat-template` may have set), else its tokenizer's own (a base model's: usually None). Data no longer
-    reachable from here falls back to the tokenizer's, said in `log`."""
-    from fbt_jax.data.plan import named_paths, read_meta_once
-
-    if config.data.get("chat_template") and config.data.get("format", "text") != "text":  # chat files read directly
-        return chat_template(tokenizer, config.data.chat_template)
-    for _, path, _ in named_paths(config.data):
-        try:
-            meta = read_meta_once(path) if path else None
-        except ConfigError:
-            meta = None
-            log(f"the run's data {path} cannot be read here: using its tokenizer's own chat template")
-        template = ((meta or {}).get("chat") or {}).get("template")
-        if template is not None:
-            return template
-    return chat_template(tokenizer)
-
-
 def _special(config: dict[str, Any], key: str) -> str | None:
     value = config.get(key)
     value = value.get("content") if isinstance(value, dict) else value

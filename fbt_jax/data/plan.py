@@ -220,3 +220,23 @@ def _local_workdir(config: Any) -> str:
     from fbt_jax.workdir import local_dir
 
     return local_dir(config.workdir)
+
+
+def run_chat_template(config: Any, tokenizer: Any, log: Any = print) -> str | None:
+    """The template a run was tuned with: the one its chat data was prepared with (meta.json's `chat`, which
+    `--chat-template` may have set), else its tokenizer's own (a base model's: usually None). Data no longer
+    reachable from here falls back to the tokenizer's, said in `log`."""
+    from fbt_jax.data.chat import chat_template
+
+    if config.data.get("chat_template") and config.data.get("format", "text") != "text":  # chat files read directly
+        return chat_template(tokenizer, config.data.chat_template)
+    for _, path, _ in named_paths(config.data):
+        try:
+            meta = read_meta_once(path) if path else None
+        except ConfigError:
+            meta = None
+            log(f"the run's data {path} cannot be read here: using its tokenizer's own chat template")
+        template = ((meta or {}).get("chat") or {}).get("template")
+        if template is not None:
+            return template
+    return chat_template(tokenizer)

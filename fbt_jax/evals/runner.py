@@ -144,8 +144,9 @@ def user(text: str) -> dict[str, str]:
 
 
 def chat_prompts(config: Any, tokenizer: Any) -> Any:
-    """`--chat`: the template the run was tuned with (`chat.run_chat_template`), or one line saying there is none."""
-    from fbt_jax.data.chat import ChatTemplate, run_chat_template
+    """`--chat`: the template the run was tuned with (`plan.run_chat_template`), or one line saying there is none."""
+    from fbt_jax.data.chat import ChatTemplate
+    from fbt_jax.data.plan import run_chat_template
 
     source = run_chat_template(config, tokenizer) if tokenizer is not None else None
     if source is None:

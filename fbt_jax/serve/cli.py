@@ -79,8 +79,7 @@ def check_args(args: Any) -> tuple[int, ...]:
 
 def load(args: Any, buckets: tuple[int, ...], log: Any = print) -> Any:
     """Read the run, build its pool and compile every program: the server's state, ready to serve."""
-    from fbt_jax.data.chat import run_chat_template
-    from fbt_jax.data.plan import plan_data
+    from fbt_jax.data.plan import plan_data, run_chat_template
     from fbt_jax.run_services import use_run_cache
     from fbt_jax.serve.api import Served
     from fbt_jax.serve.metrics import Metrics
