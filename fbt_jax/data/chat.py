@@ -202,7 +202,10 @@ class ChatTemplate:
         written, spans = [], []
         token = _RECORDING.set((written, spans))
         try:
-            args = {**self.specials, "messages": _normalized(messages), "add_generation_prompt": add_generation_prompt}
+            # As transformers calls a template: tools and documents given as None (stock templates test
+            # `tools is not none`), the named special tokens, the generation prompt's flag.
+            args = {**self.specials, "messages": _normalized(messages), "tools": None, "documents": None,
+                    "add_generation_prompt": add_generation_prompt}  # fmt: skip
             for block in self.template.generate(**args):
                 written.append(block)
             return "".join(written), spans

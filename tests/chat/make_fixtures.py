@@ -89,6 +89,17 @@ LAST_ONLY = """{%- for message in messages %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
 """
+# As stock templates (Llama 3.1's) test for tools: transformers passes tools=None, an undefined name is not none.
+TOOLS = """{%- if tools is not none %}{{- 'TOOLS ' }}{%- endif %}
+{%- if documents is not none %}{{- 'DOCS ' }}{%- endif %}
+{%- for message in messages %}
+{{- message['role'] + ': ' }}
+{%- if message['role'] == 'assistant' %}{%- GEN %}{{- message['content'] + eos_token }}{%- ENDGEN %}
+{%- else %}{{- message['content'] }}{%- endif %}
+{{- '\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- 'assistant: ' }}{%- endif %}
+"""
 
 
 def tagged(template):
@@ -111,6 +122,7 @@ TEMPLATES = {
     "llama3_untagged": (untagged(LLAMA3), tagged(LLAMA3)),
     "zephyr_tagged": (tagged(ZEPHYR), tagged(ZEPHYR)),
     "last_only_tagged": (tagged(LAST_ONLY), tagged(LAST_ONLY)),
+    "tools_tagged": (tagged(TOOLS), tagged(TOOLS)),
 }
 
 
