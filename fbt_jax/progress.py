@@ -39,3 +39,30 @@ def shown(total: int, enabled: bool = True, **options: Any) -> Iterator[Any]:
         failed = False
     finally:
         close(progress, failed)
+
+
+@contextlib.contextmanager
+def library_bars_on_terminal_only() -> Iterator[None]:
+    """The harness's own progress bars (building requests, reading its cache, its bootstrap) drawn
+    on a terminal only, as ours are (`progress.py`): in a pipe or a log they are carriage-return
+    frames around the lines that matter. Its bootstrap's "bootstrapping for stddev" line is a plain
+    print and still shows (bootstrap_iters=0 skips it where no interval is needed)."""
+    import lm_eval.api.model as harness_model
+    import lm_eval.api.task as harness_task
+    import tqdm as tqdm_package
+
+    original = tqdm_package.tqdm
+
+    class TerminalOnly(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, disable: bool | None = False, **kwargs: Any):
+            super().__init__(*args, disable=None if disable is False else disable, **kwargs)
+
+    # The bootstrap imports tqdm inside its function, so the package's own name is swapped too.
+    holders = [m for m in (tqdm_package, harness_task, harness_model) if getattr(m, "tqdm", None) is original]
+    for holder in holders:
+        holder.tqdm = TerminalOnly
+    try:
+        yield
+    finally:
+        for holder in holders:
+            holder.tqdm = original

@@ -157,7 +157,7 @@ def test_requests_a_mode_cannot_serve_are_refused_in_one_line(evaluated):
     lm = evaluated["fused"][1]
     with pytest.raises(ConfigError, match="leaves no room for a prompt"):
         lm.generation_settings({"until": ["\n"], "max_gen_toks": lm.max_length})
-    with pytest.raises(ConfigError, match="no chat template"):
+    with pytest.raises(ConfigError, match="only with model_args chat=True"):
         lm.apply_chat_template([{"role": "user", "content": "hi"}])
     with pytest.raises(ConfigError, match="empty continuation"):
         lm.fit([1, 2], [])

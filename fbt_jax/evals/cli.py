@@ -126,7 +126,7 @@ EVAL_FLAGS = {"tasks": "--harness", "modes": "--modes", "batch_size": "--batch-s
 def harness_evaluation(cli: ArgumentParser, args: argparse.Namespace, checkpoint: str, output: str) -> None:
     """`--harness`: its flags checked (one line each) before anything loads, then every task in every mode."""
     own = ("harness", "harness_include", "num_fewshot", "limit", "modes", "batch_size", "prefill_passes", "seed",
-           "checkpoint", "output")  # fmt: skip
+           "checkpoint", "output", "chat")  # fmt: skip
     given = [f"--{k.replace('_', '-')}" for k in vars(args) if k not in own and getattr(args, k) != cli.get_default(k)]
     if given:
         raise ConfigError(f"{', '.join(given)} do(es) not apply to --harness; drop them")
@@ -136,7 +136,7 @@ def harness_evaluation(cli: ArgumentParser, args: argparse.Namespace, checkpoint
 
     include = paths.resolve(args.harness_include, "--harness-include") if args.harness_include else ""
     settings = HarnessSettings(names(args.harness), names(args.modes), include, args.num_fewshot, args.limit,
-                               args.batch_size, args.prefill_passes, args.seed)  # fmt: skip
+                               args.batch_size, args.prefill_passes, args.seed, args.chat)  # fmt: skip
     settings.check(EVAL_FLAGS)
     require_harness("fbt-eval --harness")
     from fbt_jax.evals.harness_run import TABLE, evaluate_harness

@@ -22,12 +22,11 @@ Results are handed to the harness's cache as each batch finishes, so an evaluati
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import json
 import sys
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -108,6 +107,7 @@ class FBTLM(TemplateLM):
         prefill_passes: int = 2,
         max_length: int = 0,
         seed: int = 0,
+        chat: Any = False,
         loaded: Loaded | None = None,
         progress: bool = True,
         log: Callable[[str], None] = _log,
@@ -119,7 +119,7 @@ class FBTLM(TemplateLM):
         if unknown:  # a misspelt model_args key would otherwise be dropped, and the defaults run silently
             raise ConfigError(
                 f"unknown model_args {', '.join(map(repr, unknown))} for the fbt backend; it takes checkpoint, mode, "
-                "batch_size, prefill_passes, max_length and seed"
+                "batch_size, prefill_passes, max_length, seed and chat"
             )
         if mode not in decode.MODES:
             raise ConfigError(f"mode={mode!r} is not a decoding mode; use one of {', '.join(decode.MODES)}")
@@ -138,13 +138,26 @@ class FBTLM(TemplateLM):
         self.prefill_passes = int(prefill_passes)
         self.interrupt = interrupt or (lambda: None)
         self.warned: set[str] = set()
+        # chat=True (a tuned run, with the harness's apply_chat_template): contexts are the run's template's
+        # renders, read as written (the template writes its special tokens); a generation ends at its end-of-turn.
+        self.template = runner.chat_prompts(loaded.config, self.tokenizer) if _true(chat) else None
+        self.stop_ids = (int(self.tokenizer.eos_id), *(self.template.end_of_turn_ids if self.template else ()))
 
     @property
     def tokenizer_name(self) -> str:
         return str(getattr(self.tokenizer, "name", "fbt"))
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        raise ConfigError("the fbt backend has no chat template (its runs are base models); run without one")
+        if self.template is None:
+            raise ConfigError(
+                "the fbt backend applies a chat template only with model_args chat=True (a run tuned on chat data: "
+                "docs/post-training.md); run without apply_chat_template, or add chat=True"
+            )
+        return self.template.render(chat_history, add_generation_prompt)[0]
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The template applied (the harness records it with the results), or None without chat=True."""
+        return self.template.source if self.template is not None and chat_template else None
 
     # --- tokens ----------------------------------------------------------------------------------------
 
@@ -161,6 +174,8 @@ class FBTLM(TemplateLM):
         return self.eot_token_id if bos is None else int(bos)
 
     def encode(self, text: str) -> list[int]:
+        if self.template is not None:  # a render of the template: its special tokens are in the text
+            return [int(i) for i in self.tokenizer.encode_plain(text)]
         return [int(i) for i in self.tokenizer.encode_prompt(text)]
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
@@ -264,10 +279,12 @@ class FBTLM(TemplateLM):
                 for start in range(0, len(order), self.batch):
                     chosen = order[start : start + self.batch]
                     rows = [Request(prompts[j], self.row_seed(requests[indices[j]])) for j in chosen]
-                    ids = self.loaded.generator.generate(rows, self.mode, new, sampling, (self.tokenizer.eos_id,),
-                                                         tuple(until), self.tokenizer.decode)  # fmt: skip
+                    ids = self.loaded.generator.generate(rows, self.mode, new, sampling, self.stop_ids, tuple(until),
+                                                         self.tokenizer.decode)  # fmt: skip
                     for j, generated in zip(chosen, ids):
                         request = requests[indices[j]]
+                        if generated and generated[-1] in self.stop_ids[1:]:  # an end-of-turn is not text
+                            generated = generated[:-1]
                         out[indices[j]] = cut_at_stop(self.tokenizer.decode(generated), until)
                         self.cache_hook.add_partial("generate_until", request.args, out[indices[j]])
                     bar.update(len(chosen))
@@ -306,34 +323,12 @@ class FBTLM(TemplateLM):
         return zlib.crc32(f"{self.seed}/{request.task_name}/{request.doc_id}/{request.idx}".encode())
 
 
+def _true(value: Any) -> bool:
+    """A model_args flag: the harness hands `chat=True` over as the string 'True'."""
+    return value is True or str(value).lower() in ("true", "1", "yes")
+
+
 def scored_pairs(lm: FBTLM, pairs: Sequence[tuple[str, str]]) -> list[Any]:
     """The `likelihood.Scored` tokens of (context, continuation) texts as `lm` reads them (for a
     check by hand of the harness's accuracy)."""
     return lm.scorer.score([lm.fit(*lm.pair(c, x)) for c, x in pairs], lm.mode)
-
-
-@contextlib.contextmanager
-def library_bars_on_terminal_only() -> Iterator[None]:
-    """The harness's own progress bars (building requests, reading its cache, its bootstrap) drawn
-    on a terminal only, as ours are (`progress.py`): in a pipe or a log they are carriage-return
-    frames around the lines that matter. Its bootstrap's "bootstrapping for stddev" line is a plain
-    print and still shows (bootstrap_iters=0 skips it where no interval is needed)."""
-    import lm_eval.api.model as harness_model
-    import lm_eval.api.task as harness_task
-    import tqdm as tqdm_package
-
-    original = tqdm_package.tqdm
-
-    class TerminalOnly(original):  # type: ignore[misc, valid-type]
-        def __init__(self, *args: Any, disable: bool | None = False, **kwargs: Any):
-            super().__init__(*args, disable=None if disable is False else disable, **kwargs)
-
-    # The bootstrap imports tqdm inside its function, so the package's own name is swapped too.
-    holders = [m for m in (tqdm_package, harness_task, harness_model) if getattr(m, "tqdm", None) is original]
-    for holder in holders:
-        holder.tqdm = TerminalOnly
-    try:
-        yield
-    finally:
-        for holder in holders:
-            holder.tqdm = original

@@ -61,7 +61,8 @@ def evaluate_harness(checkpoint: str, output: str, settings: HarnessSettings, pr
 
 
 def _evaluate(checkpoint: str, output: str, settings: HarnessSettings, manager: Any, progress: bool) -> dict:
-    from fbt_jax.evals.harness import FBTLM, Loaded, library_bars_on_terminal_only
+    from fbt_jax.evals.harness import FBTLM, Loaded
+    from fbt_jax.progress import library_bars_on_terminal_only
     from fbt_jax.run_services import use_run_cache
 
     loaded = Loaded.read(checkpoint)  # each mode's backend checks the modes again on the step it read
@@ -71,7 +72,7 @@ def _evaluate(checkpoint: str, output: str, settings: HarnessSettings, manager: 
     per_mode, timing = {}, {}
     for mode in settings.modes:
         lm = FBTLM(mode=mode, batch_size=settings.batch_size, prefill_passes=settings.prefill_passes,
-                   seed=settings.seed, loaded=loaded, progress=progress)  # fmt: skip
+                   seed=settings.seed, chat=settings.chat, loaded=loaded, progress=progress)  # fmt: skip
         before, start = dataclasses.replace(loaded.generator.timing), time.perf_counter()
         with library_bars_on_terminal_only():
             per_mode[mode] = lm_eval.simple_evaluate(
@@ -79,6 +80,7 @@ def _evaluate(checkpoint: str, output: str, settings: HarnessSettings, manager: 
                 num_fewshot=settings.num_fewshot, limit=settings.limit or None,
                 use_cache=os.path.join(output, "cache", mode), log_samples=True, bootstrap_iters=RESAMPLES,
                 random_seed=settings.seed, numpy_random_seed=settings.seed, fewshot_random_seed=settings.seed,
+                apply_chat_template=settings.chat, fewshot_as_multiturn=settings.chat,
             )  # fmt: skip
         spent = loaded.generator.timing
         timing[mode] = {"seconds": time.perf_counter() - start, "model_seconds": spent.decode_s - before.decode_s,

@@ -38,6 +38,7 @@ class HarnessSettings:
     batch_size: int = 32
     prefill_passes: int = 2
     seed: int = 0
+    chat: bool = False  # the run's chat template applied (fewshot examples as turns): a tuned run
 
     def check(self, flags: dict[str, str]) -> None:
         """One-line errors for settings that cannot work; `flags` names each field as its user set it

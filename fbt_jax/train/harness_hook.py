@@ -142,8 +142,9 @@ class HarnessEvaluator(Hook):
 
         from fbt_jax.evals import runner
         from fbt_jax.evals.generation import Generator
-        from fbt_jax.evals.harness import FBTLM, Loaded, library_bars_on_terminal_only
+        from fbt_jax.evals.harness import FBTLM, Loaded
         from fbt_jax.evals.harness_run import metric_names
+        from fbt_jax.progress import library_bars_on_terminal_only
 
         model = nnx.merge(self.graphdef, state.params)
         if self.generator is None:
