@@ -12,7 +12,7 @@ costs. Rounds interleave the two; medians.
 Preparation: tests/chat/sample.jsonl's conversations (repeated), rendered by tests/chat/tokenizer's chat
 template into ids and trained flags (`ConversationEncoder`), against encoding the same rendered texts
 as plain text (`encode_batch`), in this process; records and tokens per second, medians over rounds.
-Prints a table and, last, one JSON line with every figure. `--smoke`: 2 rounds, fewer records.
+Prints a table and, last, one JSON line with every figure. `--smoke`: 1 round, fewer steps and records.
 """
 
 from __future__ import annotations
@@ -109,14 +109,14 @@ def preparation_rates(rounds: int, records: int) -> dict[str, dict[str, float]]:
 
 def main() -> None:
     args = docs_block.arguments(
-        __doc__, "tuning_cost", "2 rounds, fewer records: checks that it runs",
+        __doc__, "tuning_cost", "1 round, fewer steps and records: checks that it runs",
         extra=[("--rounds", {"type": int, "default": 7, "help": "interleaved rounds (medians over them)"})],
     )  # fmt: skip
-    rounds = 2 if args.smoke else args.rounds
-    times = step_seconds(rounds, 3 if args.smoke else 10)
+    rounds = 1 if args.smoke else args.rounds
+    times = step_seconds(rounds, 2 if args.smoke else 10)
     step = {name: statistics.median(t) for name, t in times.items()}
     ratio = step["tuning"] / step["pretraining"]
-    prep = preparation_rates(rounds, 300 if args.smoke else 3000)
+    prep = preparation_rates(rounds, 100 if args.smoke else 3000)
     config = tiny_config()
     shape = f"configs/tiny.py's model, batch {config.train.batch_size} × {config.data.seq_len} tokens, K = 2"
     step_table = docs_block.table(
