@@ -33,6 +33,8 @@ CLAIMS = {  # experiment: what the paper says (method.md §9)
     "depth_stability": "{1, 2} diverges beyond its passes; 3% of 3-pass batches contract to a fixed point stable to "
     "1000 passes",
     "text_efficiency": "≈ 2× data efficiency: feedback on N tokens matches plain on 2N",
+    "after_tuning": "the feedback gain persists after instruction tuning (GSM8K 64.5 → 67.9 fused), and the base "
+    "model's shorter answers with feedback are gone after it",
     "upcycle_split": "(fbt-jax's own) the feedback phase can start from an exported and re-imported K=1 model at no "
     "cost against one uninterrupted run",
 }

@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
-from fbt_jax import workdir
+from fbt_jax import init_from, workdir
 from fbt_jax.attention.spec import here as attention_here
 from fbt_jax.checkpoint import check_compatible, state_layout
 from fbt_jax.config import config_from_dict
@@ -88,17 +88,47 @@ def load_host_params(path: str, log: Any = print, flag: str = "--checkpoint") ->
 
 def load_params(path: str, abstract_params: Any, config: ml_collections.ConfigDict, log: Any = print) -> Any:
     """Parameters only (no optimizer state, no step) of the newest checkpoint under `path` (a run's
-    workdir or its checkpoint directory) that restores, for `init_from`."""
+    workdir or its checkpoint directory) that restores, for `init_from`: the same network, with the
+    changes `init_from.changes` allows (rotary settings, sliding window, new tokens' rows)."""
 
     def restore(manager: ocp.CheckpointManager, step: int) -> Any:
         meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        check_compatible(
-            meta,
-            config,
-            f"{manager.directory}/{step}",
-            fix="init_from needs the same model: set the model fields to that run's values, or choose another run",
+        changes = init_from.changes(meta.get("model", {}), config, f"{manager.directory}/{step}")
+        for line in changes.changed:
+            log(f"init_from: changed {line}")
+        if not changes.new_tokens:
+            return _restore_params(manager, step, abstract_params)
+
+        # The token tables at the saved size, on the host (each process reads them whole), the rest
+        # straight onto this run's shardings; the tables are extended, then placed.
+        def saved_shape(path: tuple, leaf: Any) -> Any:
+            if not init_from.is_vocab_table(path):
+                return leaf
+            return jax.ShapeDtypeStruct((changes.saved_vocab_size, *leaf.shape[1:]), leaf.dtype)
+
+        abstract = jax.tree_util.tree_map_with_path(saved_shape, abstract_params)
+        item = {"params": abstract}
+        restore_args = jax.tree_util.tree_map_with_path(
+            lambda p, leaf: (
+                ocp.RestoreArgs(restore_type=np.ndarray)
+                if init_from.is_vocab_table(p)
+                else ocp.checkpoint_utils.construct_restore_args(leaf)
+            ),
+            item,
         )
-        return _restore_params(manager, step, abstract_params)
+        args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+        params = manager.restore(step, args=ocp.args.Composite(state=args))["state"]["params"]
+
+        def extended(path: tuple, value: Any, target: Any) -> Any:
+            if not init_from.is_vocab_table(path):
+                return value
+            table = init_from.extend_rows(np.asarray(value), changes.vocab_size)
+            return jax.make_array_from_callback(table.shape, target.sharding, lambda index: table[index])
+
+        log(
+            f"init_from: {changes.new_tokens} new token rows, each the mean of the {changes.saved_vocab_size} saved ones"
+        )
+        return jax.tree_util.tree_map_with_path(extended, params, abstract_params)
 
     return _newest_that_restores(path, "--config.init_from", restore, log, "initialised parameters from")
 

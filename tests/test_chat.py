@@ -114,6 +114,42 @@ def test_chat_needs_a_template_and_a_hugging_face_tokenizer(tokenizer, tmp_path)
     assert chat_template(tokenizer) == TEMPLATES["chatml_tagged"]  # the tokenizer's own
 
 
+def test_markers_the_tokenizer_lacks_are_refused_until_added_to_a_copy_of_it(tmp_path, capsys):
+    """A ChatML template over a tokenizer without <|im_start|> / <|im_end|> would train them as pieces:
+    refused, naming them and the command. fbt-train-tokenizer --from adds them after the last id, keeps
+    the other files and saves the template; the copy renders, and the reply ends at <|im_end|>."""
+    from fbt_jax.data import train_tokenizer
+
+    bare = os.path.join(os.path.dirname(__file__), "interop", "reference", "llama")  # bos/eos, no markers
+    chatml = TEMPLATES["chatml_tagged"]
+    with pytest.raises(ConfigError, match=r"writes <\|im_end\|>, <\|im_start\|>, which the tokenizer has no token"):
+        ChatTemplate(chatml, HuggingFaceTokenizer(bare))
+    (tmp_path / "chatml.jinja").write_text(chatml)
+    out = str(tmp_path / "extended")
+    argv = [
+        f"--from={bare}",
+        "--add-special-tokens=<|im_start|>,<|im_end|>",
+        f"--chat-template={tmp_path / 'chatml.jinja'}",
+    ]
+    train_tokenizer.main([*argv, f"--output={out}"])
+    assert "added <|im_start|>, <|im_end|>" in capsys.readouterr().out
+    extended = HuggingFaceTokenizer(out)
+    assert extended.encode_plain("<|im_start|><|im_end|>") == [128, 129] and extended.vocab_size == 130
+    assert extended.eos_id == HuggingFaceTokenizer(bare).eos_id and chat_template(extended) == chatml
+    template = ChatTemplate(chat_template(extended), extended)
+    assert template.end_of_turn_ids == (129,)
+    conversation = template.conversation([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    assert conversation.ids[conversation.replies[0][1] - 1] == 129
+    for bad, said in [
+        ([*argv, f"--output={out}"], "must be a new local directory"),
+        ([f"--from={bare}", f"--output={tmp_path / 'x'}"], "name what to add"),
+        ([f"--from={bare}", "--input=x", f"--output={tmp_path / 'x'}"], "not both or neither"),
+    ]:
+        with pytest.raises(SystemExit):
+            train_tokenizer.main(bad)
+        assert said in capsys.readouterr().err
+
+
 def _prepared(encoder, conversations):
     docs = encoder.encode_batch([(f"r:{i}", {"messages": m}) for i, m in enumerate(conversations)])
     return records_to_examples(np.stack(list(pack_documents(docs, 48, 3))))

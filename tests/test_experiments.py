@@ -18,6 +18,7 @@ EXPERIMENTS = {
     "layer_probes": "| task | trained | K=1 (no feedback) | K=2 (one feedback pass) | exact recurrence | chance |",
     "text_efficiency": "| variant | schedule | tokens | mean K | loss K=1 | loss K=2 | loss K=3 |",
     "upcycle_split": "| run | loss K=1 | loss K=2 | loss K=3 | accuracy K=1 | accuracy K=2 |",
+    "after_tuning": "| arm | stage | standard accuracy | soft accuracy | fused accuracy |",
 }
 LADDER_TABLES = {"layer_probes": "| steps | 75/22/3 K=1 |", "depth_stability": "| steps | k12 growth |"}
 RESULTS = os.path.join(ROOT, "docs", "results.md")

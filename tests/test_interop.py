@@ -5,7 +5,9 @@ The references under tests/interop/reference/ were written by transformers itsel
 (tests/interop/make_reference.py, versions in versions.json): four tiny random models (Llama with
 grouped kv heads, Llama 3 rotary scaling and a tokenizer; an untied Llama with an explicit head
 dim and linear scaling, sharded into three files; Mistral with a 5-token sliding window and one
-kv head; Qwen2 with q/k/v biases) and their logits on a 2 × 13 batch and a 7-token prompt.
+kv head; Qwen2 with q/k/v biases) and their logits on a 2 × 13 batch and a 7-token prompt; and
+`llama_extended`, the Llama after a new phase (two new tokens at the mean row, a longer context by a
+higher rope theta and llama3 factor), with its logits on a 2 × 40 batch.
 """
 
 from __future__ import annotations
@@ -132,6 +134,34 @@ def test_a_run_trained_here_exports_as_a_llama(trained_run, tmp_path):
     tokens = np.array([[1, 2, 3, 4, 5, 0, 1, 2, 3]], np.int32)
     ours, theirs = load_model(trained_run, log=quiet)[0], load_model(plain, log=quiet)[0]
     np.testing.assert_allclose(standard_logits(theirs, tokens), standard_logits(ours, tokens), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_phase_with_new_tokens_and_a_longer_context_exports_what_transformers_computes(imported, tmp_path):
+    """init_from's changes (fbt_jax/init_from.py) on the imported Llama: two new tokens (their rows the
+    mean of the old), rope theta 2e6 and llama3 factor 16 over 16 positions, a 128-token context.
+    fbt-export writes them so that transformers computes our logits: its own, stored in llama_extended/."""
+    from fbt_jax import trained
+    from fbt_jax.config import config_from_dict
+    from fbt_jax.model import abstract_model
+
+    config = config_from_dict(json.load(open(os.path.join(imported["llama"], "config.json"))))
+    config.model.update(vocab_size=130, rope_theta=2e6, rope_scaling_factor=16.0, rope_original_max_positions=16)
+    config.data.seq_len = 128
+    one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    abstract = nnx.split(abstract_model(ModelConfig.from_config(config.model)), nnx.Param)[1]
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device), abstract)
+    params = trained.load_params(imported["llama"], abstract, config, log=quiet)
+    phase, out = str(tmp_path / "phase"), str(tmp_path / "hf")
+    importer._write_run(epath.Path(phase), config, params, None, [])
+    exporter.export_run(phase, out, log=quiet)
+    expected = json.load(open(os.path.join(ref("llama_extended"), "config.json")))
+    assert json.load(open(os.path.join(out, "config.json"))) == expected  # rope, vocabulary and context included
+    for key, value in hf_tensors(ref("llama_extended")).items():
+        np.testing.assert_allclose(hf_tensors(out)[key], value, rtol=0, atol=1e-7, err_msg=key)
+    back, _ = load_model(importer.import_model(out, str(tmp_path / "back"), log=quiet).workdir, log=quiet)
+    reference = load_file(os.path.join(ref("llama_extended"), "reference_logits.safetensors"))
+    np.testing.assert_allclose(standard_logits(back, reference["tokens"]), reference["logits"], atol=1e-4, rtol=0)
 
 
 def _run_on(tokenizer: str, workdir: str) -> str:

@@ -109,7 +109,7 @@ FLOORS = (
         "fbt_jax.train.program_facts",
     ),
     ("fbt_jax.attention",),  # the attention kernels behind one interface
-    (  # the model and its math: layers, the K-pass objective, decoding, sharding, checkpoints
+    (  # the model and its math: layers, the K-pass objective, decoding, sharding, checkpoints, new phases
         "fbt_jax.layers",
         "fbt_jax.model",
         "fbt_jax.feedback",
@@ -118,6 +118,7 @@ FLOORS = (
         "fbt_jax.sharding",
         "fbt_jax.flops",
         "fbt_jax.checkpoint",
+        "fbt_jax.init_from",
     ),
     ("fbt_jax.data",),  # files → documents → tokens → records → batches
     ("fbt_jax.config", "fbt_jax.trained"),  # a run's config and a trained run read back

@@ -5,6 +5,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import checkpointed_config
+from flax import nnx
 
 from fbt_jax.errors import ConfigError
 from fbt_jax.train.trainer import Trainer
@@ -31,11 +32,49 @@ def test_init_from_takes_parameters_only(tmp_path):
 
 
 @pytest.mark.slow
-def test_init_from_another_model_names_the_difference(tmp_path):
+def test_init_from_changes_rotary_window_and_vocabulary_and_refuses_another_network(tmp_path):
+    """A new phase may change the rotary settings and the window and grow the vocabulary: every saved
+    parameter arrives bitwise, each new token's rows (embedding and untied readout) are the mean of the
+    saved rows, and the phase trains. Another width or a smaller vocabulary is one line."""
     source = checkpointed_config(tmp_path, name="trunk", steps=2)
-    Trainer(source, log=lambda *_: None).train(progress=False)
-    config = checkpointed_config(tmp_path, name="wider", steps=2)
+    source.model.tie_embeddings = False
+    source.model.vocab_size = 8  # the task's 6 ids and 2 spare, so that a smaller vocabulary still holds the data
+    trunk = Trainer(source, log=lambda *_: None)
+    trunk.train(progress=False)
+    saved = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(trunk.state.params)}
+
+    config = checkpointed_config(tmp_path, name="phase", steps=2)
+    config.model.tie_embeddings = False
     config.init_from = source.workdir
-    config.model.embed_dim = 128
-    with pytest.raises(ConfigError, match=r"model.embed_dim: checkpoint 64, config 128"):
-        Trainer(config, log=lambda *_: None).restore_or_init(None)
+    config.model.vocab_size = source.model.vocab_size + 3
+    config.model.rope_theta, config.model.rope_scaling, config.model.rope_scaling_factor = 5e5, "linear", 4.0
+    config.model.sliding_window = 5
+    messages = []
+    phase = Trainer(config, log=messages.append)
+    phase.restore_or_init(None)
+    loaded = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(phase.state.params)}
+    assert loaded.keys() == saved.keys()
+    for path, value in saved.items():
+        if path[-1] in ("embedding_VD", "readout_VD"):
+            assert value.shape[0] == source.model.vocab_size and loaded[path].shape[0] == config.model.vocab_size
+            np.testing.assert_array_equal(loaded[path][: value.shape[0]], value)
+            mean = value.astype(np.float64).mean(axis=0).astype(value.dtype)
+            np.testing.assert_array_equal(loaded[path][value.shape[0] :], np.stack([mean] * 3))
+        else:
+            np.testing.assert_array_equal(loaded[path], value)
+    assert "init_from: changed model.rope_theta: 10000.0 → 500000.0" in messages
+    assert "init_from: changed model.sliding_window: 0 → 5" in messages
+    assert any("3 new token rows" in m for m in messages)
+    assert phase.train(progress=False)["start_step"] == 0
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(phase.state.params))
+
+    for field, value, said in [
+        ("embed_dim", 128, r"model.embed_dim: checkpoint 64, config 128"),
+        ("vocab_size", source.model.vocab_size - 1, rf"model.vocab_size: checkpoint {source.model.vocab_size}"),
+    ]:
+        other = checkpointed_config(tmp_path, name=f"other-{field}", steps=2)
+        other.model.tie_embeddings = False
+        other.init_from = source.workdir
+        other.model[field] = value
+        with pytest.raises(ConfigError, match=said + r".*init_from may change only rope_theta"):
+            Trainer(other, log=lambda *_: None).restore_or_init(None)

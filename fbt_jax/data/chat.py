@@ -36,6 +36,9 @@ ROLES = ("system", "user", "assistant")
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # The named special tokens transformers hands a template (its special_tokens_map), where the tokenizer sets them.
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# A special token as chat templates write one (ChatML's <|im_start|>, Llama 3's <|eot_id|>): a template writing
+# one the tokenizer lacks would train and serve it as a few ordinary tokens, and no generation would stop at it.
+MARKER = re.compile(r"<\|[A-Za-z0-9_.-]+\|>")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # one message's reasoning, by its three names
 # While a render records its generation blocks: (the blocks written so far, the spans found). A context
 # variable, so that threads rendering with one template at once (fbt-serve) each record their own.
@@ -184,6 +187,14 @@ class ChatTemplate:
         }
         named = {key: _special(config, key) or fallback.get(key) for key in SPECIAL_NAMES}
         self.specials = {key: value for key, value in named.items() if value is not None}
+        missing = sorted({m for m in MARKER.findall(source) if len(tokenizer.encode_plain(m)) != 1})
+        if missing:
+            raise ConfigError(
+                f"the chat template writes {', '.join(missing)}, which the tokenizer has no token for; add them "
+                f"(fbt-train-tokenizer --from=TOKENIZER --add-special-tokens='{','.join(missing)}' --output=DIR), "
+                "train with data.tokenizer=DIR and a model.vocab_size that holds them (init_from grows the model: "
+                "docs/post-training.md)"
+            )
 
     @functools.cached_property
     def end_of_turn_ids(self) -> tuple[int, ...]:

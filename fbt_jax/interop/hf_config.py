@@ -160,6 +160,10 @@ def hf_config_from_model(
     fields in `fresh` (token ids, context)."""
     arch = export_architecture(cfg, source)
     out = dict(source) if source else _template(arch) | fresh
+    # A run that trained at a longer context than its source declared (a long-context phase) says so.
+    longer = int(fresh.get("max_position_embeddings") or 0)
+    if source and longer > int(out.get("max_position_embeddings") or 0):
+        out["max_position_embeddings"] = longer
     out |= {
         "architectures": [arch],
         "model_type": ARCHITECTURES[arch],

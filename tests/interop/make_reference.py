@@ -8,7 +8,7 @@ rerun this script, in a separate virtual environment.
 
 Run from the repository root:
 
-    /work/refvenv/bin/python tests/interop/make_reference.py
+    /work/refvenv/bin/python tests/interop/make_reference.py [NAME ...]   # all fixtures, or those named
 
 Last run with Python 3.11.7, torch 2.13.0 (CPU), transformers 5.24.0, safetensors 0.8.0, tokenizers 0.23.3
 (the script also writes these into tests/interop/reference/versions.json). With these versions a rerun writes
@@ -175,6 +175,49 @@ def build(
     }
 
 
+EXTENDED_VOCAB, LONG_SEQ = 130, 40  # two new tokens; a batch longer than the 16 original positions
+
+
+def build_extended() -> dict:
+    """`llama` after a new phase as fbt-jax makes one (`init_from`, docs/post-training.md): its weights,
+    two new tokens whose embedding rows are the mean of the 128 old rows (computed in float64), and a
+    longer context (rope_theta 2,000,000; llama3 factor 16 over 16 original positions; 128 positions).
+    Saved with transformers' logits on a 2 × 40 batch holding the new tokens: what transformers computes
+    from such a config, which fbt-export must write for an extended run."""
+    directory = OUT / "llama_extended"
+    shutil.rmtree(directory, ignore_errors=True)
+    base = LlamaForCausalLM.from_pretrained(OUT / "llama", attn_implementation="eager", dtype=torch.float32)
+    state = base.state_dict()
+    old = state["model.embed_tokens.weight"]
+    mean = old.double().mean(dim=0).float()
+    state["model.embed_tokens.weight"] = torch.cat([old, mean.expand(EXTENDED_VOCAB - old.shape[0], -1)])
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied
+    rope = {"rope_type": "llama3", "rope_theta": 2000000.0, "factor": 16.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # fmt: skip
+    config = LlamaConfig(**{**base.config.to_dict(), "vocab_size": EXTENDED_VOCAB, "rope_parameters": rope,
+                            "max_position_embeddings": 128})  # fmt: skip
+    model = LlamaForCausalLM._from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+    model.load_state_dict(state)
+    tokens = torch.randint(0, EXTENDED_VOCAB, (BATCH, LONG_SEQ), generator=torch.Generator().manual_seed(7))
+    tokens[:, 5], tokens[:, 30] = 128, 129  # the new tokens at a short and a long position
+    tokens = tokens.to(torch.int32)
+    logits = logits_of(model, tokens)
+    model.save_pretrained(directory)
+    save_file(
+        {"tokens": tokens.contiguous(), "logits": logits.contiguous()}, directory / "reference_logits.safetensors"
+    )
+    reloaded = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager", dtype=torch.float32)
+    assert torch.equal(logits_of(reloaded.eval(), tokens), logits), "llama_extended: reloaded logits differ"
+    # The new rotary settings must change the logits, or the test could pass against an export that drops them.
+    before = LlamaForCausalLM._from_config(LlamaConfig(**{**config.to_dict(), "rope_parameters": base.config.rope_parameters}),
+                                           attn_implementation="eager", dtype=torch.float32).eval()  # fmt: skip
+    before.load_state_dict(state)
+    effect = (logits_of(before, tokens) - logits).abs().max().item()
+    assert effect > 1e-2, f"llama_extended: the rotary change leaves the logits unchanged ({effect})"
+    return {"name": "llama_extended", "logits_std": logits.std().item(), "prefix_vs_full_max_abs": 0.0,
+            "tokens": tokens.tolist(), "feature_effect": effect}  # fmt: skip
+
+
 def weight_keys(directory: Path) -> dict[str, dict[str, list[int]]]:
     """Tensor names and shapes of every weight file, by file name."""
     out = {}
@@ -184,7 +227,8 @@ def weight_keys(directory: Path) -> dict[str, dict[str, list[int]]]:
     return out
 
 
-def main() -> None:
+def main(only: list[str]) -> None:
+    """Write every fixture, or those named on the command line (each rewritten whole)."""
     OUT.mkdir(exist_ok=True)
     small = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 48}
     specs: list[tuple[str, Callable[[], dict]]] = [
@@ -277,7 +321,9 @@ def main() -> None:
                 seed=4,
             ),
         ),
+        ("llama_extended", build_extended),  # after llama: its weights
     ]
+    specs = [(name, run) for name, run in specs if not only or name in only]
 
     versions = {
         "python": platform.python_version(),
@@ -316,4 +362,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(sys.argv[1:])
