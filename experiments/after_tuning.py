@@ -178,11 +178,15 @@ def train(workdir: str, *overrides: str) -> None:
 
 
 def evaluate(run: str, spec: str, sizes: Sizes, chat: bool) -> dict[str, dict[str, float]]:
-    """fbt-eval's scores per mode: accuracy and mean / median answer tokens."""
+    """fbt-eval's scores per mode (pass@1 and mean / median answer tokens), run in this process: its
+    start-up once for every evaluation (a finished one is read back, a killed one resumes)."""
+    from fbt_jax.evals.cli import main as fbt_eval
+
     output = os.path.join(run, "eval-chat" if chat else "eval-base")
-    command = ["fbt-eval", f"--checkpoint={run}", f"--tasks={spec}", f"--output={output}", "--batch-size=64",
-               f"--num-problems={sizes.problems}", *(["--chat"] if chat else [])]  # fmt: skip
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, cwd=common.REPO)
+    argv = [f"--checkpoint={run}", f"--tasks={spec}", f"--output={output}", "--batch-size=64",
+            f"--num-problems={sizes.problems}", *(["--chat"] if chat else [])]  # fmt: skip
+    print("$ fbt-eval " + " ".join(argv), flush=True)
+    fbt_eval(argv)
     with open(os.path.join(output, "scores.json"), encoding="utf-8") as f:
         (per_mode,) = json.load(f)["tasks"].values()
     return {mode: per_mode[mode] for mode in MODES}

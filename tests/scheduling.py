@@ -35,7 +35,7 @@ GROUPS_FILE = "xdist-groups.json"  # in $FBT_TEST_SHARED_DIR (tests/conftest.py)
 # b30324e, the first run whose groups reached xdist; a file in parts counted per part): the
 # longest start first.
 SECONDS: dict[str, float] = {
-    "test_experiments.py": 355,
+    "test_experiments.py": 355,  # one smoke rung each since 2026-12-07, and after_tuning's smoke (~45 s) added
     "test_bucket.py": 189,
     "test_resume.py::test_elastic_resume_across_process_counts_and_mesh_shapes": 178,
     "test_harness.py": 160,
@@ -59,6 +59,7 @@ SECONDS: dict[str, float] = {
     "test_train_step.py": 56,
     "test_tuning.py": 45,  # measured alone, 2026-12-07 (post-training): placed early, not left for the end
     "test_docs.py::test_documented_commands_work_as_written[chat]": 40,
+    "test_docs.py::test_documented_commands_work_as_written[phases]": 39,  # measured alone, 2026-12-07
     "test_benchmarks.py::test_benchmark_smoke_run_prints_figures_and_writes_docs[tuning_cost]": 25,
     "test_docs.py::test_documented_commands_work_as_written[dry-run-tpu]": 55,
     "test_feedback.py": 53,

@@ -109,20 +109,23 @@ def two_processes(workdir, steps, mesh):
 
 @pytest.mark.slow
 def test_elastic_resume_across_process_counts_and_mesh_shapes(tmp_path):
-    reference = str(tmp_path / "reference")
-    result = one_process(reference, 12, (8, 1, 1))
+    # The reference is the one-process run on the tensor-sharded mesh that the second case resumes
+    # with two processes: its 12 steps, recorded before it is cut back to step 6. Three topologies,
+    # each compiled once (the suite's compilation cache). Each resume changes both the process count
+    # and the mesh, and restores onto FSDP- and tensor-sharded parameters in turn.
+    reference = str(tmp_path / "1x8-then-2x4")
+    result = one_process(reference, 12, (2, 4, 1))
     assert result.returncode == 0, result.stderr[-2000:]
     expected = losses(reference)
-    # Three topologies, each compiled once (the suite's compilation cache): the first case comes back
-    # on the reference's, the second on the first case's. Each resume still changes both the process
-    # count and the mesh, and restores onto FSDP- and tensor-sharded parameters in turn.
+    ks_expected = [r["num_passes"] for r in read_jsonl(reference)]
     for name, first, second in (
         ("2x4-then-1x8", lambda w: two_processes(w, 12, (2, 2, 2)), lambda w: one_process(w, 12, (8, 1, 1))),
-        ("1x8-then-2x4", lambda w: one_process(w, 12, (2, 4, 1)), lambda w: two_processes(w, 12, (2, 2, 2))),
+        ("1x8-then-2x4", None, lambda w: two_processes(w, 12, (2, 2, 2))),
     ):
         workdir = str(tmp_path / name)
-        result = first(workdir)
-        assert result.returncode == 0, result.stdout[-1000:] + result.stderr[-2000:]
+        if first is not None:
+            result = first(workdir)
+            assert result.returncode == 0, result.stdout[-1000:] + result.stderr[-2000:]
         # As if the first job had died after its step-6 checkpoint (the same train.steps, so the same
         # learning-rate schedule), then came back on another topology.
         shutil.rmtree(os.path.join(workdir, "checkpoints", "12"))
@@ -132,9 +135,7 @@ def test_elastic_resume_across_process_counts_and_mesh_shapes(tmp_path):
         assert "resume: changed mesh." in result.stdout  # the new mesh is reported, and allowed
         got = losses(workdir)
         assert sorted(got) == list(range(1, 13))
-        ks_expected = [r["num_passes"] for r in read_jsonl(reference)]
-        ks_got = [r["num_passes"] for r in read_jsonl(workdir)]
-        assert ks_got == ks_expected  # the same K for every step
+        assert [r["num_passes"] for r in read_jsonl(workdir)] == ks_expected  # the same K for every step
         # Same global batches in the same order: the losses match a one-process run to float
         # tolerance (other meshes sum in another order; bitwise equality is not expected).
         np.testing.assert_allclose([got[s] for s in range(1, 13)], [expected[s] for s in range(1, 13)], rtol=2e-5)
