@@ -11,17 +11,31 @@ from fbt_jax.errors import ConfigError
 from fbt_jax.train.trainer import Trainer
 
 
-def test_init_from_takes_parameters_only(tmp_path):
-    source = checkpointed_config(tmp_path, name="trunk", steps=4)
-    trunk = Trainer(source, log=lambda *_: None)
-    trunk.train(progress=False)
-    config = checkpointed_config(tmp_path, name="sweep", steps=4)
+def same_model(config):
+    """The trunk's model: an untied readout (both token tables) and 2 spare ids beyond the task's 6, so
+    that a smaller vocabulary still holds the data."""
+    config.model.tie_embeddings = False
+    config.model.vocab_size = 8
+    return config
+
+
+@pytest.fixture(scope="module")
+def trunk(tmp_path_factory):
+    source = same_model(checkpointed_config(tmp_path_factory.mktemp("trunk"), name="trunk", steps=4))
+    trained = Trainer(source, log=lambda *_: None)
+    trained.train(progress=False)
+    return source, trained
+
+
+def test_init_from_takes_parameters_only(tmp_path, trunk):
+    source, trained = trunk
+    config = same_model(checkpointed_config(tmp_path, name="sweep", steps=4))
     config.init_from = source.workdir
     config.passes.schedule = "0:2"  # e.g. a different pass mixture on the same trunk
     messages = []
     sweep = Trainer(config, log=messages.append)
     assert sweep.restore_or_init(None)[0] == 0
-    for a, b in zip(jax.tree.leaves(sweep.state.params), jax.tree.leaves(trunk.state.params)):
+    for a, b in zip(jax.tree.leaves(sweep.state.params), jax.tree.leaves(trained.state.params)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
     assert int(sweep.state.step) == 0
     assert all(float(np.abs(np.asarray(m)).max()) == 0 for m in jax.tree.leaves(sweep.state.opt_state[1][0].mu))
@@ -32,19 +46,14 @@ def test_init_from_takes_parameters_only(tmp_path):
 
 
 @pytest.mark.slow
-def test_init_from_changes_rotary_window_and_vocabulary_and_refuses_another_network(tmp_path):
+def test_init_from_changes_rotary_window_and_vocabulary_and_refuses_another_network(tmp_path, trunk):
     """A new phase may change the rotary settings and the window and grow the vocabulary: every saved
     parameter arrives bitwise, each new token's rows (embedding and untied readout) are the mean of the
     saved rows, and the phase trains. Another width or a smaller vocabulary is one line."""
-    source = checkpointed_config(tmp_path, name="trunk", steps=2)
-    source.model.tie_embeddings = False
-    source.model.vocab_size = 8  # the task's 6 ids and 2 spare, so that a smaller vocabulary still holds the data
-    trunk = Trainer(source, log=lambda *_: None)
-    trunk.train(progress=False)
-    saved = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(trunk.state.params)}
+    source, trained = trunk
+    saved = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(trained.state.params)}
 
-    config = checkpointed_config(tmp_path, name="phase", steps=2)
-    config.model.tie_embeddings = False
+    config = same_model(checkpointed_config(tmp_path, name="phase", steps=2))
     config.init_from = source.workdir
     config.model.vocab_size = source.model.vocab_size + 3
     config.model.rope_theta, config.model.rope_scaling, config.model.rope_scaling_factor = 5e5, "linear", 4.0
@@ -72,8 +81,7 @@ def test_init_from_changes_rotary_window_and_vocabulary_and_refuses_another_netw
         ("embed_dim", 128, r"model.embed_dim: checkpoint 64, config 128"),
         ("vocab_size", source.model.vocab_size - 1, rf"model.vocab_size: checkpoint {source.model.vocab_size}"),
     ]:
-        other = checkpointed_config(tmp_path, name=f"other-{field}", steps=2)
-        other.model.tie_embeddings = False
+        other = same_model(checkpointed_config(tmp_path, name=f"other-{field}", steps=2))
         other.init_from = source.workdir
         other.model[field] = value
         with pytest.raises(ConfigError, match=said + r".*init_from may change only rope_theta"):
