@@ -13,9 +13,9 @@ ChatML markers (configs/chat_templates/chatml.jinja):
 2. instruction-tune from those weights (`init_from`) on chat records whose replies are the worked
    answers only (the verbose style a tuning set is written in), with the arm's late mixture (2/3
    passes for `paper`, K=1 for `k1`), each reply fused from its first token;
-3. evaluate both on held-out problems with `fbt-eval` in the three modes: the base model on the
-   plain prompt, the tuned one as a user turn (`--chat`); accuracy of the final number, and answer
-   length in generated tokens.
+3. evaluate both on held-out problems with `fbt-eval` in the three modes (the K=1 arm in standard
+   mode: its fusion never trained): the base model on the plain prompt, the tuned one as a user turn
+   (`--chat`); accuracy of the final number, and answer length in generated tokens.
 
 (e) is the soft − standard accuracy of the tuned `paper` arm, per seed (fused − standard beside
 it); (f) the answer length, standard − soft, before and after tuning. Both are judged by
@@ -29,6 +29,7 @@ summary.json, (f) is judged over the rungs one invocation measures).
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 import shutil
@@ -177,19 +178,20 @@ def train(workdir: str, *overrides: str) -> None:
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, cwd=common.REPO)
 
 
-def evaluate(run: str, spec: str, sizes: Sizes, chat: bool) -> dict[str, dict[str, float]]:
+def evaluate(run: str, spec: str, sizes: Sizes, chat: bool, modes: tuple[str, ...]) -> dict[str, dict[str, float]]:
     """fbt-eval's scores per mode (pass@1 and mean / median answer tokens), run in this process: its
-    start-up once for every evaluation (a finished one is read back, a killed one resumes)."""
+    start-up once for every evaluation (a finished one is read back, a killed one resumes). A K=1 arm
+    is read in standard mode alone: its fusion never trained (fbt-eval refuses the others)."""
     from fbt_jax.evals.cli import main as fbt_eval
 
     output = os.path.join(run, "eval-chat" if chat else "eval-base")
     argv = [f"--checkpoint={run}", f"--tasks={spec}", f"--output={output}", "--batch-size=64",
-            f"--num-problems={sizes.problems}", *(["--chat"] if chat else [])]  # fmt: skip
+            f"--num-problems={sizes.problems}", f"--modes={','.join(modes)}", *(["--chat"] if chat else [])]  # fmt: skip
     print("$ fbt-eval " + " ".join(argv), flush=True)
     fbt_eval(argv)
     with open(os.path.join(output, "scores.json"), encoding="utf-8") as f:
         (per_mode,) = json.load(f)["tasks"].values()
-    return {mode: per_mode[mode] for mode in MODES}
+    return {mode: per_mode[mode] for mode in modes}
 
 
 def run_arm(root: str, sizes: Sizes, data: tuple[str, str, str], arm: str, seed: int) -> dict[str, Any]:
@@ -207,13 +209,20 @@ def run_arm(root: str, sizes: Sizes, data: tuple[str, str, str], arm: str, seed:
           f"--config.checkpoint.every_steps={max(t // 4, 1)}", f"--config.eval.every_steps={max(t // 10, 1)}")  # fmt: skip
     with open(os.path.join(tuned, "eval.jsonl"), encoding="utf-8") as f:
         curve = [json.loads(line) for line in f]
+    modes = ("standard",) if arm == "k1" else MODES
     return {
         "arm": arm,
         "seed": seed,
-        "base": evaluate(base, os.path.join(root, "base.json"), sizes, chat=False),
-        "tuned": evaluate(tuned, os.path.join(root, "chat.json"), sizes, chat=True),
+        "base": evaluate(base, os.path.join(root, "base.json"), sizes, False, modes),
+        "tuned": evaluate(tuned, os.path.join(root, "chat.json"), sizes, True, modes),
         "curve": curve,
     }
+
+
+def job_minutes(root: str) -> float:
+    """Every run's wall time, all attempts, from the goodput ledgers under `root`."""
+    ledgers = glob.glob(os.path.join(root, "*-steps", "*", "goodput.jsonl"))
+    return sum(json.loads(line)["wall_seconds"] for path in ledgers for line in open(path, encoding="utf-8")) / 60
 
 
 def per_seed(results: list[dict[str, Any]], arm: str, stage: str, value: Any) -> np.ndarray:
@@ -243,15 +252,21 @@ def budget_check(results: list[dict[str, Any]]) -> budget.Check:
     return check
 
 
+def cell(results: list[dict[str, Any]], arm: str, stage: str, mode: str, key: str, digits: int) -> str:
+    """One mode's figure over an arm's seeds ('–' where that mode was not read)."""
+    if not all(mode in r[stage] for r in results if r["arm"] == arm):
+        return "–"
+    return common.mean_std(per_seed(results, arm, stage, lambda s: s[mode][key]), digits)
+
+
 def table(results: list[dict[str, Any]], sizes: Sizes) -> str:
+    """Per arm and stage, each mode's accuracy and mean answer tokens."""
     header = ["arm", "stage", *(f"{m} accuracy" for m in MODES), *(f"{m} tokens" for m in MODES)]
     lines = []
     for arm in sizes.arms:
         for stage in ("base", "tuned"):
-            cells = [common.mean_std(per_seed(results, arm, stage, lambda s, m=m: s[m]["pass@1"])) for m in MODES]
-            cells += [
-                common.mean_std(per_seed(results, arm, stage, lambda s, m=m: s[m]["mean_tokens"]), 2) for m in MODES
-            ]
+            cells = [cell(results, arm, stage, m, "pass@1", 3) for m in MODES]
+            cells += [cell(results, arm, stage, m, "mean_tokens", 2) for m in MODES]
             lines.append([arm, "pretrained" if stage == "base" else "tuned", *cells])
     return common.docs_block.table(header, lines)
 
@@ -299,7 +314,8 @@ def main() -> None:
     plot = plot_lengths(args, results, sizes)
     body = (
         f"Written by `python experiments/{NAME}.py{' --smoke' if args.smoke else ''}` in {timer.minutes():.1f} min on "
-        f"{common.machine()}. The sum of {DIGITS} digits mod {MODULUS}, answered worked or directly (half each in the "
+        f"{common.machine()} (its runs took {job_minutes(root):.1f} min of job time, one at a time, over every "
+        f"invocation). The sum of {DIGITS} digits mod {MODULUS}, answered worked or directly (half each in the "
         f"pretraining text), tuned on worked answers only as ChatML conversations.\n\n"
         + "\n\n".join(body_parts)
         + "\n\n"
@@ -325,13 +341,12 @@ def plot_lengths(args: Any, results: list[dict[str, Any]], sizes: Sizes) -> str:
     width, x = 0.12, np.arange(len(MODES))
     bars = [(arm, stage) for arm in sizes.arms for stage in ("base", "tuned")]
     for i, (arm, stage) in enumerate(bars):
-        means = [per_seed(results, arm, stage, lambda s, m=m: s[m]["mean_tokens"]).mean() for m in MODES]
-        ax.bar(
-            x + (i - len(bars) / 2) * width,
-            means,
-            width,
-            label=f"{arm}, {'pretrained' if stage == 'base' else 'tuned'}",
-        )
+        means = [
+            per_seed(results, arm, stage, lambda s, m=m: s[m]["mean_tokens"] if m in s else np.nan).mean()
+            for m in MODES
+        ]
+        label = f"{arm}, {'pretrained' if stage == 'base' else 'tuned'}"
+        ax.bar(x + (i - len(bars) / 2) * width, means, width, label=label)
     ax.set_xticks(x, MODES)
     ax.set_ylabel("mean answer tokens")
     ax.legend(fontsize=7)
