@@ -50,9 +50,10 @@ def train_bpe(documents, vocab_size: int, output: str, specials: list[str] = ())
     return tokenizer.get_vocab_size(with_added_tokens=True)
 
 
-def extend(source: str, specials: list[str], template: str | None, output: str) -> tuple[int, list[str]]:
+def extend(source: str, specials: list[str], template: str | None, output: str) -> list[str]:
     """Write `source` (a tokenizer.json or a save_pretrained directory) to the directory `output` with
-    `specials` added as special tokens and `template` as its chat template; returns (ids, the tokens added)."""
+    `specials` added as special tokens and `template` as its chat template; returns the tokens added
+    (those of `specials` it did not have)."""
     import shutil
 
     from tokenizers import AddedToken, Tokenizer
@@ -82,13 +83,12 @@ def extend(source: str, specials: list[str], template: str | None, output: str) 
     if config or directory:
         with open(config_file, "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, ensure_ascii=False)
-    return max(
-        tokenizer.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1 + len(added)
-    ), added
+    return added
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`fbt-train-tokenizer`: train a byte-level BPE tokenizer on a corpus, saved as a tokenizer.json."""
+    """`fbt-train-tokenizer`: train a byte-level BPE tokenizer on a corpus, saved as a tokenizer.json;
+    or (--from) extend a tokenizer with the special tokens a chat template needs."""
     parser = ArgumentParser(prog="fbt-train-tokenizer", description=main.__doc__)
     parser.add_argument("--input", help="the corpus, as fbt-prepare --input takes it")
     parser.add_argument(
@@ -155,10 +155,10 @@ def extended(args: Any, specials: list[str]) -> None:
     output = paths.resolve(args.output, "--output")
     if paths.is_url(output) or os.path.isfile(output) or (os.path.isdir(output) and os.listdir(output)):
         raise ConfigError(f"--output={args.output!r} must be a new local directory (it is written whole)")
-    size, added = extend(source, specials, template, output)
+    added = extend(source, specials, template, output)
     after = load_tokenizer(output, "--output")  # what a run reads; its chat template is checked on use
     print(
-        f"wrote {output}: {size:,} ids ({before.vocab_size:,} before; added {', '.join(added) or 'none'}); a run "
+        f"wrote {output}: {after.vocab_size:,} ids ({before.vocab_size:,} before; added {', '.join(added) or 'none'}); a run "
         f"starting from a model with fewer ids sets --config.model.vocab_size={after.vocab_size} with init_from"
     )
 
