@@ -208,6 +208,18 @@ def _sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+def model_differences(
+    saved_model: dict[str, Any], config: ml_collections.ConfigDict
+) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """(the checkpoint's model fields, the config's, the fields where they differ, sorted); runtime-only
+    fields left out. Fields added to the model since the checkpoint was written take their defaults,
+    which is what that checkpoint's model computed."""
+    saved = {**dataclasses.asdict(ModelConfig()), **saved_model}
+    saved = {k: v for k, v in saved.items() if k not in RUNTIME_ONLY_MODEL_FIELDS}
+    current = model_signature(config)
+    return saved, current, [k for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+
+
 def check_compatible(
     meta: dict[str, Any],
     config: ml_collections.ConfigDict,
@@ -217,16 +229,8 @@ def check_compatible(
 ) -> None:
     """ConfigError unless the checkpoint's model (and, given `layout`, its whole train state
     including the optimizer's) matches the current config: such a checkpoint is not damaged."""
-    # Fields added to the model since the checkpoint was written take their defaults, which is
-    # what that checkpoint's model computed.
-    saved = {**dataclasses.asdict(ModelConfig()), **meta.get("model", {})}
-    saved = {k: v for k, v in saved.items() if k not in RUNTIME_ONLY_MODEL_FIELDS}
-    current = model_signature(config)
-    differences = [
-        f"model.{k}: checkpoint {saved.get(k)!r}, config {current.get(k)!r}"
-        for k in sorted(set(saved) | set(current))
-        if saved.get(k) != current.get(k)
-    ]
+    saved, current, differ = model_differences(meta.get("model", {}), config)
+    differences = [f"model.{k}: checkpoint {saved.get(k)!r}, config {current.get(k)!r}" for k in differ]
     if differences:
         raise ConfigError(f"the checkpoint {where} was written by a different model ({'; '.join(differences)}); {fix}")
     if layout is not None and meta.get("state_layout") not in (None, layout):

@@ -26,9 +26,8 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from fbt_jax.checkpoint import RUNTIME_ONLY_MODEL_FIELDS, model_signature
+from fbt_jax.checkpoint import model_differences
 from fbt_jax.errors import ConfigError
-from fbt_jax.model import ModelConfig
 
 ROTARY_FIELDS = (
     "rope_theta",
@@ -58,11 +57,7 @@ class Changes:
 def changes(saved_model: dict[str, Any], config: ml_collections.ConfigDict, where: str) -> Changes:
     """The changes `config.model` makes to the model recorded at `where` (a checkpoint's meta
     'model'); ConfigError naming every other difference."""
-    # Fields added to the model since the checkpoint was written take their defaults: what it computed.
-    saved = {**dataclasses.asdict(ModelConfig()), **saved_model}
-    saved = {k: v for k, v in saved.items() if k not in RUNTIME_ONLY_MODEL_FIELDS}
-    current = model_signature(config)
-    differ = [k for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+    saved, current, differ = model_differences(saved_model, config)
     refused = [k for k in differ if k not in (*MAY_CHANGE, "vocab_size")]
     if current["vocab_size"] < saved["vocab_size"]:
         refused.append("vocab_size")

@@ -107,17 +107,7 @@ def load_params(path: str, abstract_params: Any, config: ml_collections.ConfigDi
             return jax.ShapeDtypeStruct((changes.saved_vocab_size, *leaf.shape[1:]), leaf.dtype)
 
         abstract = jax.tree_util.tree_map_with_path(saved_shape, abstract_params)
-        item = {"params": abstract}
-        restore_args = jax.tree_util.tree_map_with_path(
-            lambda p, leaf: (
-                ocp.RestoreArgs(restore_type=np.ndarray)
-                if init_from.is_vocab_table(p)
-                else ocp.checkpoint_utils.construct_restore_args(leaf)
-            ),
-            item,
-        )
-        args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
-        params = manager.restore(step, args=ocp.args.Composite(state=args))["state"]["params"]
+        params = _restore_params(manager, step, abstract, on_host=init_from.is_vocab_table)
 
         def extended(path: tuple, value: Any, target: Any) -> Any:
             if not init_from.is_vocab_table(path):
@@ -169,11 +159,22 @@ def check_same_passes(trunk: dict[str, Any], config: ml_collections.ConfigDict, 
             )
 
 
-def _restore_params(manager: ocp.CheckpointManager, step: int, abstract_params: Any) -> Any:
+def _restore_params(
+    manager: ocp.CheckpointManager, step: int, abstract_params: Any, on_host: Any = lambda path: False
+) -> Any:
+    """The parameters of checkpoint `step` onto `abstract_params`' shardings; those whose path
+    `on_host` names as host (numpy) arrays instead."""
     item = {"params": abstract_params}
     # Restore arguments from the target's own shardings: the ones saved with the checkpoint name
     # devices of the job that wrote it (another process count cannot build them).
-    restore_args = ocp.checkpoint_utils.construct_restore_args(item)
+    restore_args = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: (
+            ocp.RestoreArgs(restore_type=np.ndarray)
+            if on_host(path)
+            else ocp.checkpoint_utils.construct_restore_args(leaf)
+        ),
+        item,
+    )
     args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
     state = manager.restore(step, args=ocp.args.Composite(state=args))["state"]
     return state["params"]
