@@ -4,7 +4,8 @@ The paper measures half of its table after instruction tuning: the feedback gain
 base model's shorter reasoning with feedback is gone. At CPU scale, on a task that is solved in
 written steps: the sum of six digits mod 10, asked as `sum 3 1 4 1 5 9 :` and answered either worked
 (`3 4 8 9 4 = 3 .`: each running sum, then the result) or directly (`= 3 .`), half of each in the
-pretraining text, so that the answer's length is the model's choice.
+pretraining text, so that the answer's length is the model's choice; half of that text asks and
+answers as ChatML conversations, so that tuning changes the style, not the format.
 
 Per seed and arm, with configs/tiny.py's model (D=64, 2 layers) and a word-level tokenizer with the
 ChatML markers (configs/chat_templates/chatml.jinja):
@@ -15,8 +16,8 @@ ChatML markers (configs/chat_templates/chatml.jinja):
    passes for `paper`, K=1 for `k1`), each reply fused from its first token, at the learning rate
    pretraining ended at;
 3. evaluate both on held-out problems with `fbt-eval` in the three modes (the K=1 arm in standard
-   mode: its fusion never trained): the base model on the plain prompt, the tuned one as a user turn
-   (`--chat`); accuracy of the final number, and answer length in generated tokens.
+   mode: its fusion never trained), both asked as a user turn (`--chat`); accuracy of the final
+   number, and answer length in generated tokens.
 
 (e) is the soft − standard accuracy of the tuned `paper` arm, per seed (fused − standard beside
 it); (f) the answer length, standard − soft, before and after tuning. Both are judged by
@@ -119,12 +120,21 @@ def write_tokenizer(directory: str) -> str:
     return directory
 
 
-def write_data(root: str, sizes: Sizes) -> dict[str, str]:
+def write_data(root: str, sizes: Sizes, tokenizer: str) -> dict[str, str]:
     """The pretraining text, the tuning conversations (worked replies only), the held-out problems and
-    the two task specs; every training problem differs from every held-out one."""
+    the task spec; every training problem differs from every held-out one. Half of the pretraining
+    documents are ChatML conversations rendered as text (a web corpus holds transcripts too): tuning
+    then changes the answers' style, not the format the task is read in. Without them (the first
+    rungs, 2026-12-07) tuning had to learn the task again behind the markers, which move each digit
+    several positions from its running sum, and every tuned model stayed at chance."""
+    from fbt_jax.data.chat import ChatTemplate, chat_template
+    from fbt_jax.data.tokenizers import load_tokenizer
+
     paths = {name: os.path.join(root, name) for name in ("text.jsonl", "chat.jsonl", "problems.jsonl")}
     if all(os.path.exists(p) for p in paths.values()):
         return paths
+    loaded = load_tokenizer(tokenizer)
+    template = ChatTemplate(chat_template(loaded), loaded)
     rng = np.random.default_rng(2026)
     held_out = {}
     while len(held_out) < sizes.problems:
@@ -141,10 +151,15 @@ def write_data(root: str, sizes: Sizes) -> dict[str, str]:
         return "sum " + " ".join(map(str, digits))
 
     with open(paths["text.jsonl"] + ".tmp", "w", encoding="utf-8") as f:
-        for i in range(sizes.documents):
+        for i in range(sizes.documents):  # plain worked, plain direct, chat worked, chat direct
             digits, sums = fresh()
             answer = worked(sums) if i % 2 == 0 else direct(sums)
-            f.write(json.dumps({"text": f"{prompt(digits)} : {answer}"}) + "\n")
+            if i % 4 < 2:
+                text = f"{prompt(digits)} : {answer}"
+            else:
+                turns = [{"role": "user", "content": prompt(digits)}, {"role": "assistant", "content": answer}]
+                text = template.render(turns)[0]
+            f.write(json.dumps({"text": text}) + "\n")
     with open(paths["chat.jsonl"] + ".tmp", "w", encoding="utf-8") as f:
         for _ in range(sizes.conversations):
             digits, sums = fresh()
@@ -153,12 +168,11 @@ def write_data(root: str, sizes: Sizes) -> dict[str, str]:
     with open(paths["problems.jsonl"] + ".tmp", "w", encoding="utf-8") as f:
         for i, (digits, sums) in enumerate(held_out.items()):
             f.write(json.dumps({"id": f"p{i}", "digits": " ".join(map(str, digits)), "answer": str(sums[-1])}) + "\n")
-    spec = {"problems": "problems.jsonl", "fields": {"prompt": "digits", "answer": "answer"}, "max_new_tokens": 12,
-            "extract": {"kind": "last_number"}, "compare": "numeric"}  # fmt: skip
-    for name, extra in (("base", {"prompt_template": "sum {prompt} :", "stop": ["."]}),
-                        ("chat", {"prompt_template": "sum {prompt}"})):  # fmt: skip
-        with open(os.path.join(root, f"{name}.json"), "w", encoding="utf-8") as f:
-            json.dump({"name": f"sums-{name}", **spec, **extra}, f, indent=1)
+    spec = {"name": "sums-chat", "problems": "problems.jsonl", "fields": {"prompt": "digits", "answer": "answer"},
+            "prompt_template": "sum {prompt}", "max_new_tokens": 12, "extract": {"kind": "last_number"},
+            "compare": "numeric"}  # fmt: skip
+    with open(os.path.join(root, "chat.json"), "w", encoding="utf-8") as f:
+        json.dump(spec, f, indent=1)
     for path in paths.values():
         os.replace(path + ".tmp", path)
     return paths
@@ -167,7 +181,7 @@ def write_data(root: str, sizes: Sizes) -> dict[str, str]:
 def prepare(root: str, sizes: Sizes) -> tuple[str, str, str]:
     """(pretraining records, tuning records, tokenizer), prepared once."""
     tokenizer = write_tokenizer(os.path.join(root, "tokenizer"))
-    files = write_data(root, sizes)
+    files = write_data(root, sizes, tokenizer)
     out = []
     for name, extra in (("text", []), ("chat", ["--format=chat"])):
         output = os.path.join(root, f"prepared-{name}")
@@ -185,15 +199,16 @@ def train(workdir: str, *overrides: str) -> None:
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, cwd=common.REPO)
 
 
-def evaluate(run: str, spec: str, sizes: Sizes, chat: bool, modes: tuple[str, ...]) -> dict[str, dict[str, float]]:
-    """fbt-eval's scores per mode (pass@1 and mean / median answer tokens), run in this process: its
-    start-up once for every evaluation (a finished one is read back, a killed one resumes). A K=1 arm
-    is read in standard mode alone: its fusion never trained (fbt-eval refuses the others)."""
+def evaluate(run: str, spec: str, sizes: Sizes, modes: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """fbt-eval's scores per mode (pass@1 and mean / median answer tokens) on the problems asked as a
+    user turn (`--chat`, before and after tuning alike), run in this process: its start-up once for
+    every evaluation (a finished one is read back, a killed one resumes). A K=1 arm is read in
+    standard mode alone: its fusion never trained (fbt-eval refuses the others)."""
     from fbt_jax.evals.cli import main as fbt_eval
 
-    output = os.path.join(run, "eval-chat" if chat else "eval-base")
+    output = os.path.join(run, "eval-chat")
     argv = [f"--checkpoint={run}", f"--tasks={spec}", f"--output={output}", "--batch-size=64",
-            f"--num-problems={sizes.problems}", f"--modes={','.join(modes)}", *(["--chat"] if chat else [])]  # fmt: skip
+            f"--num-problems={sizes.problems}", f"--modes={','.join(modes)}", "--chat"]  # fmt: skip
     print("$ fbt-eval " + " ".join(argv), flush=True)
     fbt_eval(argv)
     with open(os.path.join(output, "scores.json"), encoding="utf-8") as f:
@@ -222,8 +237,8 @@ def run_arm(root: str, sizes: Sizes, data: tuple[str, str, str], arm: str, seed:
     return {
         "arm": arm,
         "seed": seed,
-        "base": evaluate(base, os.path.join(root, "base.json"), sizes, False, modes),
-        "tuned": evaluate(tuned, os.path.join(root, "chat.json"), sizes, True, modes),
+        "base": evaluate(base, os.path.join(root, "chat.json"), sizes, modes),
+        "tuned": evaluate(tuned, os.path.join(root, "chat.json"), sizes, modes),
         "curve": curve,
     }
 
@@ -333,9 +348,8 @@ def main() -> None:
         f"Written by `python experiments/{NAME}.py{' --smoke' if args.smoke else ''}` in {timer.minutes():.1f} min on "
         f"{common.machine()} (its runs took {job_minutes(root):.1f} min of job time, one at a time, over every "
         f"invocation). The sum of {DIGITS} digits mod {MODULUS}, answered worked or directly (half each in the "
-        f"pretraining text), tuned on worked answers only as ChatML conversations.\n\n"
-        + "\n\n".join(body_parts)
-        + "\n\n"
+        f"pretraining text, half of it as ChatML conversations), tuned on worked answers only as ChatML "
+        f"conversations, evaluated as a user turn.\n\n" + "\n\n".join(body_parts) + "\n\n"
         f"{common.figure_line(args, plot, 'answer length per mode before and after tuning')}\n\n{check.line}\n\n"
         f"verdict ((e) the feedback gain survives tuning): {judged_e.verdict}\n\n{judged_e.line}\n\n"
         f"verdict ((f) shorter answers with feedback before tuning): {judged_f.verdict}\n\n{judged_f.line}\n"

@@ -179,34 +179,6 @@ def test_incompatible_config_is_refused_and_checkpoints_untouched(tmp_path):
     assert {p: os.path.getmtime(p) for p in glob.glob(f"{directory}/**", recursive=True)} == before
 
 
-@pytest.mark.slow
-def test_two_processes_save_and_restore_together(tmp_path):
-    workdir = str(tmp_path / "two")
-    command = [
-        "launch/local.sh",
-        "2",
-        "--config=configs/tiny.py",
-        f"--config.workdir={workdir}",
-        "--config.train.steps=12",
-        "--config.train.log_every=1",
-        "--config.optimizer.warmup_steps=1",
-        "--config.passes.schedule=0:1=0.5,2=0.5",
-        "--config.checkpoint.every_steps=6",
-        "--config.eval.num_batches=0",
-        "--config.eval.contraction_every_steps=0",  # no monitor: its multi-process run is test_multiprocess's
-    ]
-    run_command(command, cpu_env(2), check=True)
-    first = losses(workdir)
-    final = str(tmp_path / "final-12")
-    shutil.move(os.path.join(workdir, "checkpoints", "12"), final)  # as if the run had died after step 6
-    result = run_command(command, cpu_env(2))
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "(step 6)" in result.stdout
-    again = losses(workdir)
-    assert [again[s] for s in range(7, 13)] == [first[s] for s in range(7, 13)]
-    assert_same_state(final, os.path.join(workdir, "checkpoints", "12"))
-
-
 def test_changed_optimizer_is_refused_not_mistaken_for_damage(tmp_path):
     config = checkpointed_config(tmp_path, steps=2)
     Trainer(config, log=lambda *_: None).train(progress=False)

@@ -112,7 +112,9 @@ def test_elastic_resume_across_process_counts_and_mesh_shapes(tmp_path):
     # The reference is the one-process run on the tensor-sharded mesh that the second case resumes
     # with two processes: its 12 steps, recorded before it is cut back to step 6. Three topologies,
     # each compiled once (the suite's compilation cache). Each resume changes both the process count
-    # and the mesh, and restores onto FSDP- and tensor-sharded parameters in turn.
+    # and the mesh, and restores onto FSDP- and tensor-sharded parameters in turn; the first case
+    # also resumes on its own topology first (two processes saving and restoring together, bitwise:
+    # one 6-step run more here rather than a test of its own).
     reference = str(tmp_path / "1x8-then-2x4")
     result = one_process(reference, 12, (2, 4, 1))
     assert result.returncode == 0, result.stderr[-2000:]
@@ -126,6 +128,15 @@ def test_elastic_resume_across_process_counts_and_mesh_shapes(tmp_path):
         if first is not None:
             result = first(workdir)
             assert result.returncode == 0, result.stdout[-1000:] + result.stderr[-2000:]
+            # First the same topology: two processes that died after step 6 resume together,
+            # bitwise (the losses and the step-12 state of their uninterrupted run).
+            uninterrupted, final = losses(workdir), str(tmp_path / f"{name}-final-12")
+            shutil.move(os.path.join(workdir, "checkpoints", "12"), final)
+            result = first(workdir)
+            assert result.returncode == 0, result.stdout[-1000:] + result.stderr[-2000:]
+            assert "(step 6)" in result.stdout and "resume: changed mesh." not in result.stdout
+            assert losses(workdir) == uninterrupted
+            assert_same_state(final, os.path.join(workdir, "checkpoints", "12"))
         # As if the first job had died after its step-6 checkpoint (the same train.steps, so the same
         # learning-rate schedule), then came back on another topology.
         shutil.rmtree(os.path.join(workdir, "checkpoints", "12"))
