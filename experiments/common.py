@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,11 +31,9 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-# The commands the experiments run (fbt-sweep, fbt-prepare, ...) are the PATH's, as a shell line's
-# would be; where it has none (the script started as .venv/bin/python without activating its
-# environment), this interpreter's.
-if shutil.which("fbt-train") is None:
-    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+# The commands the experiments run (fbt-sweep, fbt-prepare, ...) are this interpreter's, also when
+# it is started as .venv/bin/python without activating its environment.
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
 import docs_block  # noqa: E402  (benchmarks/docs_block.py: the marker-delimited blocks)
 import scales  # noqa: E402

@@ -6,7 +6,13 @@ import os
 # Tests run on the CPU with 8 simulated devices, so that meshes can be tested on one machine
 # (single-device references pass `devices=jax.devices()[:1]`).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+# Each process runs XLA's CPU kernels on one thread: two pytest workers share the 2 cores, and each
+# one's processes running their kernels over both cores only took turns with the other's (the
+# benchmarks' smoke runs, -n 2: 174 s against 185 s; FBT_TEST_EIGEN_THREADS=1 measures it again).
+SINGLE_THREADED = "--xla_cpu_multi_thread_eigen=false" if not os.environ.get("FBT_TEST_EIGEN_THREADS") else ""
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" {SINGLE_THREADED} --xla_force_host_platform_device_count=8"
+)
 
 import atexit  # noqa: E402
 import contextlib  # noqa: E402
@@ -90,6 +96,7 @@ MODULES = {
     "fbt-train-tokenizer": "fbt_jax.data.train_tokenizer",
     "fbt-sweep": "fbt_jax.sweep.cli",
     "fbt-serve": "fbt_jax.serve.cli",
+    "fbt-self-train": "fbt_jax.selftrain.cli",
 }
 
 
@@ -207,8 +214,10 @@ def cpu_env(devices: int | None = 1, **extra: str) -> dict[str, str]:
     `extra` on top."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PATH": BIN + os.pathsep + os.environ.get("PATH", "")}
     env.pop("XLA_FLAGS", None)
+    if SINGLE_THREADED:
+        env["XLA_FLAGS"] = SINGLE_THREADED
     if devices is not None:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        env["XLA_FLAGS"] = f"{SINGLE_THREADED} --xla_force_host_platform_device_count={devices}".strip()
     return {**env, **extra}
 
 

@@ -9,7 +9,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import ROOT, cpu_env, run_command, with_warm_commands
+from conftest import ROOT, cpu_env, run_command
 
 EXPERIMENTS = {
     # name: a header cell its table must have
@@ -240,7 +240,7 @@ def test_experiment_smoke_run_writes_its_block_and_plot(name, smoke_dir):
     before = results.read_text(encoding="utf-8")
     command = ["python", f"experiments/{name}.py", "--smoke", f"--dir={smoke_dir / 'runs' / name}"]
     # As a user runs it: one CPU device (no XLA_FLAGS).
-    result = run_command(command + [f"--write-docs={results}"], with_warm_commands(cpu_env(None)), timeout=900)
+    result = run_command(command + [f"--write-docs={results}"], cpu_env(None), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     after = results.read_text(encoding="utf-8")
     begin, end = f"<!-- begin: experiments/{name}.py -->", f"<!-- end: experiments/{name}.py -->"
@@ -270,9 +270,7 @@ def test_experiment_smoke_run_writes_its_block_and_plot(name, smoke_dir):
         assert rungs and rungs == sorted(rungs, key=int), table
     if name == "depth_stability":  # --carry-long keeps the long part just written, measures T=16 again
         long_part = block[block.index("**Standard-library bytes at T=64**") :].split("\n\n")[:2]
-        again = run_command(
-            command + ["--carry-long", f"--write-docs={results}"], with_warm_commands(cpu_env(None)), timeout=900
-        )
+        again = run_command(command + ["--carry-long", f"--write-docs={results}"], cpu_env(None), timeout=900)
         assert again.returncode == 0, again.stderr[-3000:]
         carried = results.read_text(encoding="utf-8").split(begin)[1].split(end)[0]
         assert "is carried from the block an earlier invocation wrote" in carried
