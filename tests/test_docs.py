@@ -27,6 +27,13 @@ DRY_RUN_K1 = (
     "--config.passes.schedule=0:1 --config.dry_run_chip= --config.eval.num_batches=0 --config.eval.contraction_passes=0"
 )
 
+# One round on 8 problems, 8 answers each, 8 tuning steps: docs/post-training.md's self-training, shortened.
+SELF_TRAIN_SHORT = (
+    "--config.self_train.rounds=1 --config.self_train.num_problems=8 --config.self_train.samples=8 "
+    "--config.self_train.held_out_problems=4 --config.self_train.eval_modes=standard,soft --config.train.steps=8 "
+    "--config.optimizer.warmup_steps=2"
+)
+
 # (chain, doc, command as written, what to append, text the output must contain), in the order a
 # reader runs them: later commands of a chain use the runs that earlier ones made (runs/tiny,
 # runs/text); chains share nothing, so they run side by side.
@@ -322,6 +329,28 @@ RUNS = [
         "gcloud compute tpus tpu-vm ssh my-v5p-128",
     ),
     ("launchers", "docs/launch.md", "DRY_RUN=1 bash launch/slurm_gpu.sbatch --config=configs/fbt_1b.py", "", "srun"),
+    # docs/post-training.md's self-training: a short chat run, then the loop (one round), run again.
+    (
+        "self-train",
+        "docs/post-training.md",
+        "fbt-train --config=configs/tiny.py --config.workdir=runs/adds --config.data.source=text --config.data.path=tests/self_train/chat.jsonl --config.data.format=chat --config.data.tokenizer=tests/self_train/tokenizer --config.data.seq_len=24 --config.model.vocab_size=24 --config.passes.schedule=0:2 --config.train.steps=100 --config.eval.num_batches=0 --config.eval.contraction_passes=0 --config.data.validation_fraction=0",
+        "",
+        "trained 100 steps",
+    ),
+    (
+        "self-train",
+        "docs/post-training.md",
+        "fbt-self-train --config=configs/self_train.py:runs/adds --config.self_train.tasks=tests/self_train/adds.json@tests/self_train/train.jsonl --config.self_train.held_out=tests/self_train/adds.json@tests/self_train/held.jsonl   # kill it at any moment …",
+        SELF_TRAIN_SHORT,
+        "rounds.md and rounds.png",
+    ),
+    (
+        "self-train",
+        "docs/post-training.md",
+        "fbt-self-train --config=configs/self_train.py:runs/adds --config.self_train.tasks=tests/self_train/adds.json@tests/self_train/train.jsonl --config.self_train.held_out=tests/self_train/adds.json@tests/self_train/held.jsonl   # … and it continues where it stopped",
+        SELF_TRAIN_SHORT,
+        "| 1 |",
+    ),
     # docs/post-training.md: the tiny Llama given ChatML's markers, tuned, then a phase at 4× its context.
     ("phases", "docs/post-training.md", "fbt-import tests/interop/reference/llama runs/llama-base", "", "wrote "),
     (
@@ -425,6 +454,7 @@ CREATED = {
     "launchers": ["runs/local2"],
     "sweeps": ["runs/sweeps"],
     "chat": ["runs/chat-data", "runs/chat", "chat-serve.log"],
+    "self-train": ["runs/adds", "runs/adds-self-train"],
     "phases": [
         "runs/llama-base",
         "runs/llama-chatml",

@@ -125,7 +125,7 @@ FLOORS = (
     ("fbt_jax.interop",),  # Hugging Face checkpoints in and out
     ("fbt_jax.evals", "fbt_jax.evaluate", "fbt_jax.decode_cli", "fbt_jax.serve"),  # evaluation, decoding, serving
     ("fbt_jax.validation", "fbt_jax.train"),  # checking a run's config, then training it
-    ("fbt_jax.sweep",),  # sweeps of runs
+    ("fbt_jax.sweep", "fbt_jax.selftrain"),  # sweeps of runs, rounds of self-training
 )
 
 

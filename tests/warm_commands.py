@@ -38,7 +38,7 @@ import time
 
 from warm_shim import CHILD_MARK  # set in a warm command's environment: its own fbt-* commands run cold
 
-SERVED = ("fbt-train", "fbt-eval", "fbt-decode", "fbt-sweep", "fbt-import", "fbt-export")
+SERVED = ("fbt-train", "fbt-eval", "fbt-decode", "fbt-sweep", "fbt-import", "fbt-export", "fbt-self-train")
 # What every served command imports before its first line of work (fbt_jax.attention: Pallas and
 # the Splash kernel).
 PREIMPORTED = (

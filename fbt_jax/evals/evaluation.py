@@ -12,9 +12,16 @@ from fbt_jax.evals import report, runner
 
 
 def evaluate_tasks(
-    checkpoint: str, output: str, settings: runner.EvalSettings, batch_size: int, progress: bool = True
+    checkpoint: str,
+    output: str,
+    settings: runner.EvalSettings,
+    batch_size: int,
+    progress: bool = True,
+    shard: tuple[int, int] = (0, 1),
 ) -> dict[str, Any]:
-    """Generate, score and tabulate (continuing the generations already in `output`)."""
+    """Generate, score and tabulate (continuing the generations already in `output`). `shard`
+    (index, count): only every count-th problem of each task, from the index-th (one process's
+    share; a problem's generations do not depend on which problems share its batches)."""
     from fbt_jax.data.plan import plan_data
     from fbt_jax.run_services import use_run_cache
     from fbt_jax.trained import load_model_at
@@ -27,6 +34,8 @@ def evaluate_tasks(
     data = plan_data(config, read_data=False)  # the run's tokenizer; its data is not read
     tokenizer = data.tokenizer if data.source != "task" else None
     tasks = runner.load_tasks(settings, config, tokenizer)
+    if shard != (0, 1):
+        tasks = [dataclasses.replace(t, problems=t.problems[shard[0] :: shard[1]]) for t in tasks]
     identity = {"checkpoint": checkpoint, "step": step, **dataclasses.asdict(settings)}
     identity = json.loads(json.dumps(identity))  # tuples as lists, as read back
     done = runner.open_output(output, identity)

@@ -74,12 +74,12 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def parse_flags(argv: list[str]) -> list[str]:
+def parse_flags(argv: list[str], prog: str = PROG) -> list[str]:
     """absl's flag parsing, with its errors (a misspelt field, a missing config file, a value of
-    the wrong type: assorted exceptions with multi-line messages) reported as one line."""
+    the wrong type: assorted exceptions with multi-line messages) reported as one line by `prog`."""
     from absl import flags
 
-    with reported(PROG):
+    with reported(prog):
         try:
             rest = flags.FLAGS(argv)
             flags.FLAGS.config.keys()  # the config file loads lazily: surface its errors here
