@@ -37,7 +37,7 @@ GROUPS_FILE = "xdist-groups.json"  # in $FBT_TEST_SHARED_DIR (tests/conftest.py)
 SECONDS: dict[str, float] = {
     "test_experiments.py": 355,  # one smoke rung each since 2026-12-07, and after_tuning's smoke (~45 s) added
     "test_bucket.py": 189,
-    "test_resume.py::test_elastic_resume_across_process_counts_and_mesh_shapes": 178,
+    "test_resume.py::test_elastic_resume_across_process_counts_and_mesh_shapes": 182,  # with test_checkpoint's two-process resume
     "test_harness.py": 160,
     "test_checkpoint.py#1": 139,
     "test_sweep.py": 133,
@@ -57,6 +57,8 @@ SECONDS: dict[str, float] = {
     "test_sharding.py": 57,
     "test_bad_inputs.py#1": 56,
     "test_train_step.py": 56,
+    "test_self_train.py::test_a_self_training_run_killed_mid_sampling_and_mid_tuning_resumes_to_the_same_kept_sets_and_weights": 65,  # alone, 2026-12-07
+    "test_docs.py::test_documented_commands_work_as_written[self-train]": 40,  # alone, 2026-12-07
     "test_tuning.py": 45,  # measured alone, 2026-12-07 (post-training): placed early, not left for the end
     "test_docs.py::test_documented_commands_work_as_written[chat]": 40,
     "test_docs.py::test_documented_commands_work_as_written[phases]": 39,  # measured alone, 2026-12-07
