@@ -10,6 +10,7 @@ number of hosts: see docs/data.md for why this design was chosen.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -60,7 +61,13 @@ def prepared_dir(plan: DataPlan, dataset: Dataset) -> str:
     )
     directory = os.path.join(plan.cache_dir, hashlib.blake2b(key.encode(), digest_size=8).hexdigest())
     if not os.path.exists(os.path.join(directory, "meta.json")):
-        prepare_shard(preparation, directory, log=lambda *_: None)
+        # Processes of one run on one host share the cache: one prepares, the others wait and read it
+        # (two preparations of one directory clear each other's staging).
+        os.makedirs(plan.cache_dir, exist_ok=True)
+        with open(f"{directory}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not os.path.exists(os.path.join(directory, "meta.json")):
+                prepare_shard(preparation, directory, log=lambda *_: None)
     return directory
 
 

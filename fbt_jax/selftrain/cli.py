@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import tempfile
 
 import jax
 import ml_collections
@@ -39,13 +40,14 @@ def main(argv: list[str]) -> None:
             raise ConfigError("this config has no self_train section; start from configs/self_train.py:RUN")
         resolve_config_paths(config)
         loop.check(config)
-        os.makedirs(config.workdir, exist_ok=True)
-        keep_template(config)
-        check_tuning(config)  # every field of the tuning runs, before a sample is drawn
-        loop.claim_workdir(config)
         with sigterm_is_a_preemption() as after_distributed:
-            divert_library_noise(os.path.join(config.workdir, f"{PROG}.log"))
+            # jax.distributed first: reading the starting run below already starts the backend.
             after_distributed(distributed.initialize(config.distributed))
+            os.makedirs(config.workdir, exist_ok=True)
+            keep_template(config)
+            check_tuning(config)  # every field of the tuning runs, before a sample is drawn
+            loop.claim_workdir(config)
+            divert_library_noise(os.path.join(config.workdir, f"{PROG}.log"))
             figures = loop.Loop(config).run()
     if jax.process_index() == 0:
         print(report.markdown(figures), end="")
@@ -68,8 +70,10 @@ def keep_template(config: ml_collections.ConfigDict) -> None:
             "tokenizer); give one (--config.data.chat_template=FILE) or set --config.self_train.chat=False"
         )
     path = os.path.join(config.workdir, TEMPLATE)
-    with open(path, "w", encoding="utf-8") as f:
+    fd, draft = tempfile.mkstemp(prefix=".draft-", dir=config.workdir)  # whole, also with several processes
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(source)
+    os.replace(draft, path)
     config.data.chat_template = path
 
 

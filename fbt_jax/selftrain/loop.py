@@ -167,8 +167,10 @@ class Loop:
         """The kept set of round r's samples, written whole (then the round tunes on it)."""
         settings = sampling_settings(self.config, r)
         samples = rounds.read_generations(os.path.join(os.path.dirname(path), "samples"), self.shard[1])
-        kept = rounds.keep(samples, self.config.self_train.keep)
         prompt_of = prompts(settings)
+        order = {key: i for i, key in enumerate(prompt_of)}  # the problems' own order, whatever the shards
+        samples.sort(key=lambda s: (order[(s["task"], s["id"])], int(s["sample"])))
+        kept = rounds.keep(samples, self.config.self_train.keep)
         lines = [rounds.tuning_record(s, prompt_of[(s["task"], s["id"])], settings.chat) for s in kept]
         rounds.write_jsonl(path, lines)
         self.log(f"round {r}: kept {len(kept)} of {len(samples)} samples ({self.config.self_train.keep} correct)")
