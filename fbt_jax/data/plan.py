@@ -142,7 +142,7 @@ def plan_data(config: Any, read_data: bool = True) -> DataPlan:
         from fbt_jax.data.sources import list_inputs
 
         list_inputs(data.path)
-        chat = _chat_settings(data)
+        chat = chat_settings(data)
         common.update(chat=tuple(sorted(chat.items())) if chat else None)
     elif not data.tfds_name:
         raise ConfigError("data.source='tfds' needs data.tfds_name (and data.tfds_data_dir)")
@@ -160,7 +160,7 @@ def plan_data(config: Any, read_data: bool = True) -> DataPlan:
     return dataclasses.replace(plan, vocab_size=plan.tokenizer.vocab_size)
 
 
-def _chat_settings(data: Any) -> dict[str, Any] | None:
+def chat_settings(data: Any) -> dict[str, Any] | None:
     """data.format's settings for files of chat or prompt–completion records (None for text)."""
     from fbt_jax.data.conversations import settings
 

@@ -27,14 +27,10 @@ TEMPLATE = "chat_template.jinja"
 
 
 def main(argv: list[str]) -> None:
-    from absl import flags, logging
-
-    from fbt_jax.train.cli import sigterm_is_a_preemption
+    from fbt_jax.train.cli import flagged_config, sigterm_is_a_preemption
 
     del argv
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
-    config = flags.FLAGS.config
+    config = flagged_config()
     with reported(PROG):
         if "self_train" not in config:
             raise ConfigError("this config has no self_train section; start from configs/self_train.py:RUN")
@@ -80,14 +76,12 @@ def keep_template(config: ml_collections.ConfigDict) -> None:
 def check_tuning(config: ml_collections.ConfigDict) -> None:
     """validate_config on round 1's tuning config, its data (the kept answers, not sampled yet) planned
     from the tokenizer alone."""
-    from fbt_jax.data.conversations import settings
-    from fbt_jax.data.plan import plan_data
+    from fbt_jax.data.plan import chat_settings, plan_data
     from fbt_jax.validation import validate_config
 
     tuning = loop.tuning_config(config, 1, config.init_from)
+    chat_settings(tuning.data)  # the template renders and marks replies: checked as fbt-prepare would
     plan = plan_data(tuning, read_data=False)
-    data = tuning.data  # the template renders and marks replies: checked as fbt-prepare would
-    settings(data.format, plan.tokenizer, data.chat_template or None, (), data.turns, data.overlong, "data.")
     plan = dataclasses.replace(
         plan, vocab_size=plan.tokenizer.vocab_size, vocab_origin=f"data.tokenizer={tuning.data.tokenizer!r}"
     )

@@ -17,10 +17,11 @@ tune as one run.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -192,28 +193,18 @@ class Loop:
             store.write_json(os.path.join(directory, "tuned.json"), kept_summary, staging=directory)
         sync(f"self-train round {r}: tuned")
 
-    def timed(self, r: int, stage: str) -> Any:
-        return _Timed(rounds.round_dir(self.config.workdir, r), stage, self.shard[0] == 0)
-
-
-@dataclasses.dataclass
-class _Timed:
-    """Adds a stage's wall seconds to the round's seconds.json (process 0), also when it fails."""
-
-    directory: str
-    stage: str
-    writes: bool
-
-    def __enter__(self) -> None:
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc: Any) -> None:
-        if not self.writes:
-            return
-        path = os.path.join(self.directory, SECONDS)
-        seconds = store.read_json(path) or {}
-        seconds[self.stage] = seconds.get(self.stage, 0.0) + time.perf_counter() - self.start
-        store.write_json(path, seconds, staging=self.directory)
+    @contextlib.contextmanager
+    def timed(self, r: int, stage: str) -> Iterator[None]:
+        """Adds the stage's wall seconds to the round's seconds.json (process 0), also when it fails."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.shard[0] == 0:
+                directory = rounds.round_dir(self.config.workdir, r)
+                seconds = store.read_json(os.path.join(directory, SECONDS)) or {}
+                seconds[stage] = seconds.get(stage, 0.0) + time.perf_counter() - start
+                store.write_json(os.path.join(directory, SECONDS), seconds, staging=directory)
 
 
 def claim_workdir(config: ml_collections.ConfigDict) -> None:

@@ -24,15 +24,20 @@ from fbt_jax.validation import validate_config
 PROG = "fbt-train"
 
 
-def main(argv: list[str]) -> None:
+def flagged_config() -> Any:
+    """The --config of an absl command (fbt-train, fbt-self-train), absl's logging quieted."""
     from absl import flags, logging
 
-    del argv
     if not flags.FLAGS["verbosity"].present:
         # absl logs at INFO by default, which prints backend probing noise ("Unable to initialize
         # backend 'tpu'") on machines without one; --verbosity=0 brings it back.
         logging.set_verbosity(logging.WARNING)
-    config = flags.FLAGS.config
+    return flags.FLAGS.config
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    config = flagged_config()
     with reported(PROG):
         resolve_config_paths(config)  # relative paths mean: from where the command was started
         validate_config(config)  # everything that does not depend on the devices, before any set-up
